@@ -1,0 +1,180 @@
+/*
+ * llama-dflash C core: DFlash drafting on top of llama.cpp.
+ *
+ * Data flows one way:
+ *   target decode -> captured features (dflash_capture)
+ *                 -> drafter context cache (dflash_drafter_push)
+ *                 -> draft (dflash_drafter_draft)
+ *                 -> verify / accept / rollback (dflash_engine_*)
+ *
+ * Ownership: every *_new / *_load returns an object owned by the caller and
+ * freed with the matching *_free.  Borrowed llama objects (model, context)
+ * must outlive the objects that borrow them.  Functions that can fail return
+ * NULL or a negative value and write a one-line message into `err`.
+ *
+ * This header is also fed to cffi: keep it free of macros in declarations.
+ */
+#ifndef DFLASH_H
+#define DFLASH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_model;
+struct llama_context;
+
+typedef struct dflash_drafter dflash_drafter;
+typedef struct dflash_capture dflash_capture;
+typedef struct dflash_engine  dflash_engine;
+
+enum dflash_capture_mode {
+    DFLASH_CAPTURE_LAYER_INP = 1, /* llama_set_embeddings_layer_inp (archs that record layer inputs) */
+    DFLASH_CAPTURE_CB_EVAL   = 2  /* cb_eval callback on l_out-N tensors */
+};
+
+struct dflash_drafter_info {
+    int32_t version;          /* 1 = DFlash, 2 = DFlash2 */
+    int32_t n_layer;
+    int32_t n_embd;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_ff;
+    int32_t block_size;
+    int32_t n_taps;
+    int32_t target_layers[64]; /* HF ids (output of target layer id), concat order */
+    int32_t mask_token_id;
+    int32_t n_vocab;
+    int32_t causal;           /* block attention causal */
+    int32_t n_swa;            /* sliding window (0 = none) */
+    uint32_t swa_layers;      /* bit i set: layer i uses the window */
+    float   rope_theta;
+    float   rms_eps;
+    float   embedding_scale;
+    float   logit_scale;
+    float   softcap;
+    int32_t n_ctx;            /* capacity of the context cache, in positions */
+};
+
+/* ---- drafter --------------------------------------------------------- */
+
+/* Load a GGUF drafter (architecture `dflash`) and bind it to `target`, whose
+ * token embedding and output head it borrows (no copy).  n_ctx bounds the
+ * context cache.  Validates the file against the target. */
+dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target,
+                                     int32_t n_ctx, int32_t n_threads,
+                                     char * err, size_t err_len);
+void dflash_drafter_free(dflash_drafter * d);
+void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out);
+
+/* Forget all context (new sequence). */
+void    dflash_drafter_reset(dflash_drafter * d);
+/* Truncate the context cache to its first n positions. */
+int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n);
+/* Committed positions whose features are in the cache or pending. */
+int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d);
+
+/* Queue features of the next n_rows committed positions; rows are
+ * n_taps*n_embd floats in target_layers order.  Projected lazily. */
+int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows,
+                            char * err, size_t err_len);
+
+/* Draft n tokens after `anchor` (the token at position n_ctx_used).
+ * out_tokens: n greedy ids.  out_logits (optional): n x n_vocab floats,
+ * after logit scale and softcap. */
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n,
+                             int32_t * out_tokens, float * out_logits,
+                             char * err, size_t err_len);
+
+/* ---- feature capture --------------------------------------------------- */
+
+/* Capture the outputs of target layers `layers` (HF ids) for every row of
+ * every decode.  mode 0 = pick automatically from the target architecture. */
+dflash_capture * dflash_capture_new(const struct llama_model * target, const int32_t * layers,
+                                    int32_t n_layers, int32_t max_rows, int32_t mode,
+                                    char * err, size_t err_len);
+void    dflash_capture_free(dflash_capture * c);
+int32_t dflash_capture_mode(const dflash_capture * c);
+/* True if the target architecture records layer inputs in this libllama. */
+bool    dflash_target_has_layer_inp(const struct llama_model * target);
+/* cb_eval mode: install the callback into a `struct llama_context_params *`
+ * before the context is created. */
+void    dflash_capture_install(dflash_capture * c, void * llama_context_params);
+/* Bind to the target context (after creation, before its first decode). */
+int32_t dflash_capture_attach(dflash_capture * c, struct llama_context * ctx,
+                              char * err, size_t err_len);
+/* Call before each llama_decode on the target. */
+void    dflash_capture_begin(dflash_capture * c);
+/* After a decode of n_tokens rows: the features, [n_tokens][n_layers*n_embd],
+ * or NULL if they are incomplete. */
+const float * dflash_capture_rows(dflash_capture * c, int32_t n_tokens);
+int32_t dflash_capture_row_width(const dflash_capture * c);
+
+/* ---- the speculative loop ---------------------------------------------- */
+
+/* External draft source: write up to n tokens proposed after the committed
+ * sequence (history[0..n_history-1], last = anchor) into out; return count. */
+typedef int32_t (*dflash_draft_fn)(void * user_data, const int32_t * history, int32_t n_history,
+                                    int32_t n, int32_t * out);
+
+#define DFLASH_MAX_DRAFT 64
+
+struct dflash_stats {
+    int32_t n_prompt;
+    int32_t n_generated;
+    int32_t steps;
+    int32_t drafted;
+    int32_t accepted;
+    int32_t per_position_drafted[DFLASH_MAX_DRAFT];
+    int32_t per_position_accepted[DFLASH_MAX_DRAFT];
+    double  t_prefill_s;
+    double  t_draft_s;
+    double  t_verify_s;
+    double  t_total_s;     /* decode phase: after prefill until the end */
+    int32_t stop_reason;   /* 1 = eos, 2 = max_tokens */
+};
+
+struct dflash_engine_params {
+    int32_t n_draft;       /* draft length per step (0 = plain decoding) */
+    int32_t max_tokens;
+    bool    stop_on_eos;
+};
+
+/* State after one verify step, for tracing and invariant checks. */
+struct dflash_step {
+    int32_t step;
+    int32_t drafted;
+    int32_t accepted;
+    int32_t committed;     /* prompt + generated tokens (the last one is the anchor) */
+    int32_t target_len;    /* positions in the target KV cache */
+    int32_t drafter_len;   /* positions whose features the drafter holds */
+};
+typedef void (*dflash_step_fn)(void * user_data, const struct dflash_step * step);
+
+/* The engine drives `tctx` (sequence 0).  drafter and capture may be NULL
+ * (plain decoding, or an external draft source). */
+dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d,
+                                  dflash_capture * c, char * err, size_t err_len);
+void dflash_engine_free(dflash_engine * e);
+void dflash_engine_set_draft_fn(dflash_engine * e, dflash_draft_fn fn, void * user_data);
+void dflash_engine_set_step_fn(dflash_engine * e, dflash_step_fn fn, void * user_data);
+
+/* Generate greedily.  out_tokens must hold max_tokens ids; out_margins
+ * (optional) receives, for every generated token, the target's top-1 minus
+ * top-2 logit at the row that produced it.  Returns tokens generated or < 0. */
+int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
+                               const struct dflash_engine_params * params,
+                               int32_t * out_tokens, float * out_margins,
+                               struct dflash_stats * stats, char * err, size_t err_len);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DFLASH_H */

@@ -1,0 +1,839 @@
+// DFlash (v1) drafter: GGUF loading, validation against the target, and the
+// drafter forward as our own ggml graph (see docs: dflash-architecture §2).
+//
+// The context cache holds per-layer K and V of committed positions only.
+// A draft call first projects pending context features into the cache, then
+// runs the block [anchor, mask x n] whose own K/V go to scratch cells right
+// after the committed ones (overwritten by the next injection).
+#include "dflash.h"
+
+#include "common.h"
+#include "llama_ext.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "gguf.h"
+#include "llama.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define DFLASH_MAX_LAYERS 64
+#define DFLASH_GRAPH_SIZE 4096
+#define DFLASH_INJECT_CHUNK 512
+
+struct dflash_layer {
+    struct ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
+    struct ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
+    struct ggml_tensor * k_cache; // [head_dim*n_head_kv, n_ctx]: one row per position
+    struct ggml_tensor * v_cache; // [n_ctx, head_dim*n_head_kv]: transposed for kq*v
+};
+
+struct dflash_drafter {
+    struct dflash_drafter_info hp;
+    int32_t n_embd_inp; // n_taps * n_embd
+
+    struct ggml_context * ctx_w;    // own weights
+    struct ggml_context * ctx_kv;   // context cache
+    ggml_backend_buffer_t buf_w;
+    ggml_backend_buffer_t buf_kv;
+
+    struct ggml_tensor * fc, * hidden_norm, * out_norm;
+    struct dflash_layer layers[DFLASH_MAX_LAYERS];
+    struct ggml_tensor * tok_embd; // borrowed from the target unless the file has one
+    struct ggml_tensor * head;     // idem
+
+    ggml_backend_t backends[2];
+    int n_backends;
+    ggml_backend_t cpu;
+    ggml_backend_sched_t sched;
+    void * meta_buf;
+    size_t meta_size;
+
+    int32_t n_cached;     // positions projected into the cache
+    float * pending;      // queued feature rows
+    int32_t n_pending;
+    int32_t pending_cap;
+};
+
+// ---------------------------------------------------------------------------
+// GGUF metadata helpers
+
+static int64_t kv_find(const struct gguf_context * g, const char * key) {
+    return gguf_find_key(g, key);
+}
+
+static bool kv_u32(const struct gguf_context * g, const char * key, int32_t * out) {
+    int64_t id = kv_find(g, key);
+    if (id < 0) return false;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT32: *out = (int32_t) gguf_get_val_u32(g, id); return true;
+        case GGUF_TYPE_INT32:  *out = gguf_get_val_i32(g, id); return true;
+        case GGUF_TYPE_UINT64: *out = (int32_t) gguf_get_val_u64(g, id); return true;
+        case GGUF_TYPE_INT64:  *out = (int32_t) gguf_get_val_i64(g, id); return true;
+        case GGUF_TYPE_UINT16: *out = gguf_get_val_u16(g, id); return true;
+        default: return false;
+    }
+}
+
+static bool kv_f32(const struct gguf_context * g, const char * key, float * out) {
+    int64_t id = kv_find(g, key);
+    if (id < 0) return false;
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_FLOAT32: *out = gguf_get_val_f32(g, id); return true;
+        case GGUF_TYPE_FLOAT64: *out = (float) gguf_get_val_f64(g, id); return true;
+        default: return false;
+    }
+}
+
+static bool kv_bool(const struct gguf_context * g, const char * key, bool * out) {
+    int64_t id = kv_find(g, key);
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_BOOL) return false;
+    *out = gguf_get_val_bool(g, id);
+    return true;
+}
+
+// Integer array into out[]; returns element count or -1.
+static int32_t kv_arr_i32(const struct gguf_context * g, const char * key, int32_t * out, int32_t max_n) {
+    int64_t id = kv_find(g, key);
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY) return -1;
+    enum gguf_type t = gguf_get_arr_type(g, id);
+    size_t n = gguf_get_arr_n(g, id);
+    const void * data = gguf_get_arr_data(g, id);
+    if ((int64_t) n > max_n) return -1;
+    for (size_t i = 0; i < n; i++) {
+        switch (t) {
+            case GGUF_TYPE_INT32:  out[i] = ((const int32_t *) data)[i]; break;
+            case GGUF_TYPE_UINT32: out[i] = (int32_t) ((const uint32_t *) data)[i]; break;
+            case GGUF_TYPE_INT64:  out[i] = (int32_t) ((const int64_t *) data)[i]; break;
+            case GGUF_TYPE_UINT64: out[i] = (int32_t) ((const uint64_t *) data)[i]; break;
+            case GGUF_TYPE_BOOL:   out[i] = ((const int8_t *) data)[i] != 0; break;
+            default: return -1;
+        }
+    }
+    return (int32_t) n;
+}
+
+// ---------------------------------------------------------------------------
+// tensors
+
+// Expected tensor: look it up in the file's meta context and check its shape.
+static struct ggml_tensor * want(struct ggml_context * meta, const char * name,
+                                 int64_t ne0, int64_t ne1, bool required,
+                                 char * err, size_t err_len, bool * ok) {
+    struct ggml_tensor * t = ggml_get_tensor(meta, name);
+    if (!t) {
+        if (required) {
+            dflash_seterr(err, err_len, "drafter is missing tensor '%s'", name);
+            *ok = false;
+        }
+        return NULL;
+    }
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        dflash_seterr(err, err_len,
+                      "drafter tensor '%s' has shape [%lld, %lld, %lld], expected [%lld, %lld]",
+                      name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+                      (long long) ne0, (long long) ne1);
+        *ok = false;
+        return NULL;
+    }
+    return t;
+}
+
+static bool is_known_tensor(const char * name, int n_layer) {
+    static const char * top[] = { "fc.weight", "enc.output_norm.weight", "output_norm.weight",
+                                  "token_embd.weight", "output.weight" };
+    for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++) {
+        if (strcmp(name, top[i]) == 0) return true;
+    }
+    static const char * per_layer[] = { "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                        "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate",
+                                        "ffn_up", "ffn_down" };
+    int il = -1;
+    char rest[64];
+    if (sscanf(name, "blk.%d.%63s", &il, rest) != 2 || il < 0 || il >= n_layer) return false;
+    for (size_t i = 0; i < sizeof(per_layer) / sizeof(per_layer[0]); i++) {
+        char full[80];
+        snprintf(full, sizeof(full), "%s.weight", per_layer[i]);
+        if (strcmp(rest, full) == 0) return true;
+    }
+    return false;
+}
+
+// Pick the target tensor usable by get_rows (host memory) or by mul_mat (any).
+static struct ggml_tensor * target_tensor(const struct llama_model * target, const char * name, bool need_host) {
+    struct ggml_tensor * ts[4];
+    int32_t n = dflash_model_tensors(target, name, ts, 4);
+    if (n <= 0) return NULL;
+    if (n > 4) n = 4;
+    for (int32_t i = 0; i < n; i++) {
+        bool host = ts[i]->buffer && ggml_backend_buffer_is_host(ts[i]->buffer);
+        if (host == need_host) return ts[i];
+    }
+    return need_host ? NULL : ts[0];
+}
+
+static bool read_weights(struct dflash_drafter * d, const char * path, const struct gguf_context * g,
+                         char * err, size_t err_len) {
+    FILE * f = fopen(path, "rb");
+    if (!f) {
+        dflash_seterr(err, err_len, "cannot open drafter file '%s'", path);
+        return false;
+    }
+    size_t data_off = gguf_get_data_offset(g);
+    void * tmp = NULL;
+    size_t tmp_size = 0;
+    bool ok = true;
+    for (struct ggml_tensor * t = ggml_get_first_tensor(d->ctx_w); t; t = ggml_get_next_tensor(d->ctx_w, t)) {
+        int64_t id = gguf_find_tensor(g, ggml_get_name(t));
+        size_t nbytes = ggml_nbytes(t);
+        if (nbytes > tmp_size) {
+            free(tmp);
+            tmp = malloc(nbytes);
+            tmp_size = nbytes;
+        }
+        if (!tmp || fseek(f, (long) (data_off + gguf_get_tensor_offset(g, id)), SEEK_SET) != 0 ||
+            fread(tmp, 1, nbytes, f) != nbytes) {
+            dflash_seterr(err, err_len, "drafter file '%s' is truncated (tensor '%s')", path, ggml_get_name(t));
+            ok = false;
+            break;
+        }
+        ggml_backend_tensor_set(t, tmp, 0, nbytes);
+    }
+    free(tmp);
+    fclose(f);
+    return ok;
+}
+
+// ---------------------------------------------------------------------------
+// graph
+
+struct dflash_graph {
+    struct ggml_context * ctx;
+    struct ggml_cgraph * gf;
+    struct ggml_tensor * feat, * feat_pos;          // injection inputs (or NULL)
+    struct ggml_tensor * tokens, * block_pos;       // block inputs (or NULL)
+    struct ggml_tensor * mask_full, * mask_swa;     // [n_kv, n_block] (or NULL)
+    struct ggml_tensor * logits, * argmax;          // outputs
+    int32_t n_kv;                                   // keys the block attends to
+};
+
+static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * x, struct ggml_tensor * w, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
+}
+
+// Project x ([n_embd, n]) to K/V for layer il and store them at cache cells
+// [off, off+n).  Returns the two copy nodes so the caller orders them first.
+static void store_kv(struct dflash_drafter * d, struct ggml_context * ctx, struct ggml_cgraph * gf,
+                     int il, struct ggml_tensor * x, struct ggml_tensor * pos, int32_t off, int32_t n) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    const struct dflash_layer * L = &d->layers[il];
+    const int64_t n_kv_embd = (int64_t) hp->head_dim * hp->n_head_kv;
+
+    struct ggml_tensor * k = ggml_mul_mat(ctx, L->wk, x);
+    k = ggml_reshape_3d(ctx, k, hp->head_dim, hp->n_head_kv, n);
+    k = rms(ctx, k, L->k_norm, hp->rms_eps);
+    k = ggml_rope_ext(ctx, k, pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, 0, hp->rope_theta,
+                      1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+    struct ggml_tensor * v = ggml_mul_mat(ctx, L->wv, x); // [n_kv_embd, n]
+
+    struct ggml_tensor * k_dst = ggml_view_2d(ctx, L->k_cache, n_kv_embd, n, L->k_cache->nb[1],
+                                              (size_t) off * L->k_cache->nb[1]);
+    struct ggml_tensor * v_dst = ggml_view_2d(ctx, L->v_cache, n, n_kv_embd, L->v_cache->nb[1],
+                                              (size_t) off * ggml_element_size(L->v_cache));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_kv_embd, n), k_dst));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v), v_dst));
+}
+
+// Build the graph: inject n_feat pending rows, then (if n_block > 0) run the
+// block at positions [a, a + n_block).
+static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int32_t n_feat,
+                        int32_t n_block, bool want_logits) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    memset(G, 0, sizeof(*G));
+    struct ggml_init_params ip = { d->meta_size, d->meta_buf, true };
+    G->ctx = ggml_init(ip);
+    if (!G->ctx) return false;
+    struct ggml_context * ctx = G->ctx;
+    G->gf = ggml_new_graph_custom(ctx, DFLASH_GRAPH_SIZE, false);
+
+    const int32_t off = d->n_cached;
+    if (n_feat > 0) {
+        G->feat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d->n_embd_inp, n_feat);
+        ggml_set_input(G->feat);
+        G->feat_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_feat);
+        ggml_set_input(G->feat_pos);
+        struct ggml_tensor * c = rms(ctx, ggml_mul_mat(ctx, d->fc, G->feat), d->hidden_norm, hp->rms_eps);
+        for (int il = 0; il < hp->n_layer; il++) {
+            store_kv(d, ctx, G->gf, il, c, G->feat_pos, off, n_feat);
+        }
+    }
+    if (n_block <= 0) return true;
+
+    const int32_t a = off + n_feat; // anchor position
+    const int32_t n_kv = a + n_block;
+    G->n_kv = n_kv;
+    G->tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+    ggml_set_input(G->tokens);
+    G->block_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+    ggml_set_input(G->block_pos);
+    if (hp->causal || (hp->n_swa > 0 && hp->swa_layers != 0)) {
+        G->mask_full = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
+        ggml_set_input(G->mask_full);
+        if (hp->n_swa > 0 && hp->swa_layers != 0) {
+            G->mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
+            ggml_set_input(G->mask_swa);
+        }
+    }
+
+    struct ggml_tensor * h = ggml_get_rows(ctx, d->tok_embd, G->tokens);
+    if (hp->embedding_scale != 1.0f) h = ggml_scale(ctx, h, hp->embedding_scale);
+    const float kq_scale = 1.0f / sqrtf((float) hp->head_dim);
+    const int64_t n_kv_embd = (int64_t) hp->head_dim * hp->n_head_kv;
+
+    for (int il = 0; il < hp->n_layer; il++) {
+        const struct dflash_layer * L = &d->layers[il];
+        struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
+
+        struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
+        q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, n_block);
+        q = rms(ctx, q, L->q_norm, hp->rms_eps);
+        q = ggml_rope_ext(ctx, q, G->block_pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, 0,
+                          hp->rope_theta, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        store_kv(d, ctx, G->gf, il, u, G->block_pos, a, n_block);
+
+        struct ggml_tensor * K = ggml_view_3d(ctx, L->k_cache, hp->head_dim, hp->n_head_kv, n_kv,
+                                              ggml_row_size(L->k_cache->type, hp->head_dim),
+                                              L->k_cache->nb[1], 0);
+        K = ggml_permute(ctx, K, 0, 2, 1, 3);                      // [d, n_kv, H_kv]
+        struct ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3); // [d, n_block, H]
+        struct ggml_tensor * kq = ggml_mul_mat(ctx, K, Q);         // [n_kv, n_block, H]
+        bool swa = hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u);
+        kq = ggml_soft_max_ext(ctx, kq, swa ? G->mask_swa : G->mask_full, kq_scale, 0.0f);
+        struct ggml_tensor * V = ggml_view_3d(ctx, L->v_cache, n_kv, hp->head_dim, hp->n_head_kv,
+                                              L->v_cache->nb[1], L->v_cache->nb[1] * hp->head_dim, 0);
+        struct ggml_tensor * o = ggml_mul_mat(ctx, V, kq);         // [d, n_block, H]
+        o = ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));     // [d, H, n_block]
+        o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, n_block);
+        h = ggml_add(ctx, h, ggml_mul_mat(ctx, L->wo, o));
+
+        struct ggml_tensor * v = rms(ctx, h, L->ffn_norm, hp->rms_eps);
+        struct ggml_tensor * g = ggml_silu(ctx, ggml_mul_mat(ctx, L->ffn_gate, v));
+        struct ggml_tensor * m = ggml_mul(ctx, g, ggml_mul_mat(ctx, L->ffn_up, v));
+        h = ggml_add(ctx, h, ggml_mul_mat(ctx, L->ffn_down, m));
+    }
+    (void) n_kv_embd;
+
+    // Slot 0 (the anchor) predicts nothing: drop it before the head.
+    struct ggml_tensor * z = ggml_view_2d(ctx, h, hp->n_embd, n_block - 1, h->nb[1], h->nb[1]);
+    z = rms(ctx, z, d->out_norm, hp->rms_eps);
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->head, z); // [n_vocab, n_block-1]
+    if (hp->logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp->logit_scale);
+    if (hp->softcap > 0.0f) {
+        logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp->softcap)), hp->softcap);
+    }
+    G->logits = logits;
+    G->argmax = ggml_argmax(ctx, logits);
+    ggml_set_output(G->argmax);
+    if (want_logits) ggml_set_output(G->logits);
+    ggml_build_forward_expand(G->gf, G->argmax);
+    if (want_logits) ggml_build_forward_expand(G->gf, G->logits);
+    return true;
+}
+
+static void fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool causal, int32_t window) {
+    for (int32_t i = 0; i < n_block; i++) {
+        const int32_t qp = a + i;
+        for (int32_t j = 0; j < n_kv; j++) {
+            bool vis = true;
+            if (causal && j > qp) vis = false;
+            if (window > 0 && (qp - j >= window || j - qp >= window)) vis = false;
+            m[(size_t) i * n_kv + j] = vis ? 0.0f : -INFINITY;
+        }
+    }
+}
+
+// Run inject(n_feat rows from pending) [+ block]; on success the injected rows
+// become cached.
+static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anchor, int32_t n_block,
+                         int32_t * out_tokens, float * out_logits, char * err, size_t err_len) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    struct dflash_graph G;
+    if (!build_graph(d, &G, n_feat, n_block, out_logits != NULL)) {
+        dflash_seterr(err, err_len, "failed to build the drafter graph");
+        return -1;
+    }
+    ggml_backend_sched_reset(d->sched);
+    if (!ggml_backend_sched_alloc_graph(d->sched, G.gf)) {
+        ggml_free(G.ctx);
+        dflash_seterr(err, err_len, "failed to allocate the drafter graph");
+        return -1;
+    }
+    const int32_t off = d->n_cached;
+    if (n_feat > 0) {
+        ggml_backend_tensor_set(G.feat, d->pending, 0, sizeof(float) * (size_t) n_feat * d->n_embd_inp);
+        int32_t * pos = malloc(sizeof(int32_t) * n_feat);
+        for (int32_t i = 0; i < n_feat; i++) pos[i] = off + i;
+        ggml_backend_tensor_set(G.feat_pos, pos, 0, sizeof(int32_t) * n_feat);
+        free(pos);
+    }
+    if (n_block > 0) {
+        const int32_t a = off + n_feat;
+        int32_t * buf = malloc(sizeof(int32_t) * n_block * 2);
+        for (int32_t i = 0; i < n_block; i++) {
+            buf[i] = i == 0 ? anchor : hp->mask_token_id;
+            buf[n_block + i] = a + i;
+        }
+        ggml_backend_tensor_set(G.tokens, buf, 0, sizeof(int32_t) * n_block);
+        ggml_backend_tensor_set(G.block_pos, buf + n_block, 0, sizeof(int32_t) * n_block);
+        free(buf);
+        if (G.mask_full) {
+            float * m = malloc(sizeof(float) * (size_t) G.n_kv * n_block);
+            fill_mask(m, G.n_kv, n_block, a, hp->causal, 0);
+            ggml_backend_tensor_set(G.mask_full, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+            if (G.mask_swa) {
+                fill_mask(m, G.n_kv, n_block, a, hp->causal, hp->n_swa);
+                ggml_backend_tensor_set(G.mask_swa, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+            }
+            free(m);
+        }
+    }
+    enum ggml_status st = ggml_backend_sched_graph_compute(d->sched, G.gf);
+    if (st != GGML_STATUS_SUCCESS) {
+        ggml_free(G.ctx);
+        dflash_seterr(err, err_len, "drafter graph compute failed (status %d)", (int) st);
+        return -1;
+    }
+    if (n_feat > 0) {
+        d->n_cached += n_feat;
+        d->n_pending -= n_feat;
+        memmove(d->pending, d->pending + (size_t) n_feat * d->n_embd_inp,
+                sizeof(float) * (size_t) d->n_pending * d->n_embd_inp);
+    }
+    if (n_block > 0) {
+        ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (n_block - 1));
+        if (out_logits) {
+            ggml_backend_tensor_get(G.logits, out_logits, 0,
+                                    sizeof(float) * (size_t) (n_block - 1) * hp->n_vocab);
+        }
+    }
+    ggml_free(G.ctx);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------
+// public API
+
+void dflash_drafter_free(dflash_drafter * d) {
+    if (!d) return;
+    if (d->sched) ggml_backend_sched_free(d->sched);
+    if (d->buf_w) ggml_backend_buffer_free(d->buf_w);
+    if (d->buf_kv) ggml_backend_buffer_free(d->buf_kv);
+    if (d->ctx_w) ggml_free(d->ctx_w);
+    if (d->ctx_kv) ggml_free(d->ctx_kv);
+    for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
+    free(d->meta_buf);
+    free(d->pending);
+    free(d);
+}
+
+static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context * g, struct ggml_context * meta,
+                          const char * path, char * err, size_t err_len) {
+    struct dflash_drafter_info * hp = &d->hp;
+    int64_t id = kv_find(g, "general.architecture");
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) {
+        dflash_seterr(err, err_len, "'%s' has no general.architecture: not a llama.cpp GGUF model", path);
+        return false;
+    }
+    const char * arch = gguf_get_val_str(g, id);
+    if (strcmp(arch, "dflash") != 0) {
+        dflash_seterr(err, err_len, "'%s' is a '%s' model, not a DFlash drafter (architecture 'dflash')", path, arch);
+        return false;
+    }
+    if (ggml_get_tensor(meta, "markov_w1.weight")) {
+        dflash_seterr(err, err_len, "'%s' is a DSpark drafter (markov_w1.weight); only DFlash is supported", path);
+        return false;
+    }
+    if (ggml_get_tensor(meta, "selector_hidden.weight")) {
+        dflash_seterr(err, err_len, "'%s' is a DFlash2 drafter; this build runs DFlash v1 drafters only", path);
+        return false;
+    }
+    if (ggml_get_tensor(meta, "d2t")) {
+        dflash_seterr(err, err_len, "'%s' uses a reduced draft vocabulary (d2t), which is not supported", path);
+        return false;
+    }
+    bool b = false;
+    if (kv_bool(g, "dflash.sample_from_anchor", &b) && b) {
+        dflash_seterr(err, err_len, "'%s' sets dflash.sample_from_anchor (DSpark layout); not supported", path);
+        return false;
+    }
+    hp->version = 1;
+    struct { const char * key; int32_t * dst; } req[] = {
+        { "dflash.block_count", &hp->n_layer },
+        { "dflash.embedding_length", &hp->n_embd },
+        { "dflash.feed_forward_length", &hp->n_ff },
+        { "dflash.attention.head_count", &hp->n_head },
+        { "dflash.block_size", &hp->block_size },
+    };
+    for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++) {
+        if (!kv_u32(g, req[i].key, req[i].dst) || *req[i].dst <= 0) {
+            dflash_seterr(err, err_len, "'%s': missing or invalid key '%s'", path, req[i].key);
+            return false;
+        }
+    }
+    if (hp->n_layer > DFLASH_MAX_LAYERS) {
+        dflash_seterr(err, err_len, "'%s': %d drafter layers exceed the supported %d", path, hp->n_layer, DFLASH_MAX_LAYERS);
+        return false;
+    }
+    if (!kv_u32(g, "dflash.attention.head_count_kv", &hp->n_head_kv)) hp->n_head_kv = hp->n_head;
+    if (!kv_u32(g, "dflash.attention.key_length", &hp->head_dim)) hp->head_dim = hp->n_embd / hp->n_head;
+    int32_t vlen = hp->head_dim;
+    kv_u32(g, "dflash.attention.value_length", &vlen);
+    if (hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv != 0 || vlen != hp->head_dim || hp->head_dim <= 0) {
+        dflash_seterr(err, err_len, "'%s': unsupported attention shape (heads %d, kv heads %d, key %d, value %d)",
+                      path, hp->n_head, hp->n_head_kv, hp->head_dim, vlen);
+        return false;
+    }
+    hp->rms_eps = 1e-6f;
+    kv_f32(g, "dflash.attention.layer_norm_rms_epsilon", &hp->rms_eps);
+    hp->rope_theta = 10000.0f;
+    kv_f32(g, "dflash.rope.freq_base", &hp->rope_theta);
+    int32_t rot = hp->head_dim;
+    if (kv_u32(g, "dflash.rope.dimension_count", &rot) && rot != hp->head_dim) {
+        dflash_seterr(err, err_len, "'%s': partial rotary embeddings (%d of %d dims) are not supported", path, rot, hp->head_dim);
+        return false;
+    }
+    int32_t sections[8] = { 0 };
+    int32_t n_sec = kv_arr_i32(g, "dflash.rope.dimension_sections", sections, 8);
+    if (n_sec > 0) {
+        // M-RoPE drafts carry [head_dim/2, 0, 0, 0]: plain 1-D positions.
+        for (int i = 1; i < n_sec; i++) {
+            if (sections[i] != 0) {
+                dflash_seterr(err, err_len, "'%s': multi-axis rope sections are not supported", path);
+                return false;
+            }
+        }
+    }
+    float fv = 0.0f;
+    if (kv_f32(g, "dflash.attention.value_scale", &fv) && fv != 1.0f) {
+        dflash_seterr(err, err_len, "'%s': dflash.attention.value_scale is not supported", path);
+        return false;
+    }
+    hp->n_taps = kv_arr_i32(g, "dflash.target_layers", hp->target_layers, 64);
+    if (hp->n_taps <= 0) {
+        dflash_seterr(err, err_len, "'%s': missing or invalid 'dflash.target_layers'", path);
+        return false;
+    }
+    for (int i = 0; i < hp->n_taps; i++) hp->target_layers[i] -= 1; // GGUF stores HF id + 1
+    if (!kv_u32(g, "tokenizer.ggml.mask_token_id", &hp->mask_token_id)) {
+        dflash_seterr(err, err_len, "'%s': missing 'tokenizer.ggml.mask_token_id'", path);
+        return false;
+    }
+    hp->causal = kv_bool(g, "dflash.attention.causal", &b) && b;
+    hp->n_swa = 0;
+    hp->swa_layers = 0;
+    if (kv_u32(g, "dflash.attention.sliding_window", &hp->n_swa) && hp->n_swa > 0) {
+        int32_t pat[DFLASH_MAX_LAYERS];
+        int32_t np = kv_arr_i32(g, "dflash.attention.sliding_window_pattern", pat, DFLASH_MAX_LAYERS);
+        for (int i = 0; i < hp->n_layer; i++) {
+            if (np < 0 || (i < np && pat[i])) hp->swa_layers |= 1u << i;
+        }
+    }
+    hp->embedding_scale = 1.0f;
+    kv_f32(g, "dflash.embedding_scale", &hp->embedding_scale);
+    hp->logit_scale = 1.0f;
+    kv_f32(g, "dflash.logit_scale", &hp->logit_scale);
+    hp->softcap = 0.0f;
+    kv_f32(g, "dflash.final_logit_softcapping", &hp->softcap);
+    if (kv_find(g, "dflash.hidden_activation") >= 0 || kv_find(g, "dflash.attention.scale") >= 0) {
+        dflash_seterr(err, err_len, "'%s': Gemma-style drafters (hidden_activation / attention.scale) are not supported", path);
+        return false;
+    }
+    d->n_embd_inp = hp->n_taps * hp->n_embd;
+    return true;
+}
+
+static bool validate_target(struct dflash_drafter * d, const struct llama_model * target, const char * path,
+                            char * err, size_t err_len) {
+    struct dflash_drafter_info * hp = &d->hp;
+    const int32_t t_embd = llama_model_n_embd(target);
+    const int32_t t_layer = llama_model_n_layer(target);
+    const int32_t t_vocab = llama_vocab_n_tokens(llama_model_get_vocab(target));
+    hp->n_vocab = t_vocab;
+    if (hp->n_embd != t_embd) {
+        dflash_seterr(err, err_len, "drafter '%s' has hidden size %d but the target has %d", path, hp->n_embd, t_embd);
+        return false;
+    }
+    for (int i = 0; i < hp->n_taps; i++) {
+        // The last layer's output is pruned to output rows inside llama.cpp,
+        // so taps must lie strictly below it.
+        if (hp->target_layers[i] < 0 || hp->target_layers[i] >= t_layer - 1) {
+            dflash_seterr(err, err_len, "drafter '%s' taps target layer %d but the target has %d layers (usable: 0..%d)",
+                          path, hp->target_layers[i], t_layer, t_layer - 2);
+            return false;
+        }
+    }
+    if (hp->mask_token_id < 0 || hp->mask_token_id >= t_vocab) {
+        dflash_seterr(err, err_len, "drafter '%s' has mask token id %d outside the target vocabulary (%d tokens)",
+                      path, hp->mask_token_id, t_vocab);
+        return false;
+    }
+    return true;
+}
+
+dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target, int32_t n_ctx,
+                                     int32_t n_threads, char * err, size_t err_len) {
+    if (!path || !target) {
+        dflash_seterr(err, err_len, "drafter path and target model are required");
+        return NULL;
+    }
+    struct stat stt;
+    if (stat(path, &stt) != 0 || !S_ISREG(stt.st_mode)) {
+        dflash_seterr(err, err_len, "drafter file '%s' does not exist", path);
+        return NULL;
+    }
+    if (n_ctx <= 0) {
+        dflash_seterr(err, err_len, "n_ctx must be positive (got %d)", n_ctx);
+        return NULL;
+    }
+    struct ggml_context * meta = NULL;
+    struct gguf_init_params gp = { true, &meta };
+    struct gguf_context * g = gguf_init_from_file(path, gp);
+    if (!g) {
+        dflash_seterr(err, err_len, "'%s' is not a valid GGUF file (unreadable or truncated header)", path);
+        return NULL;
+    }
+    struct dflash_drafter * d = calloc(1, sizeof(*d));
+    bool ok = parse_hparams(d, g, meta, path, err, err_len) && validate_target(d, target, path, err, err_len);
+    struct dflash_drafter_info * hp = &d->hp;
+
+    // The file must hold every tensor's bytes.
+    if (ok) {
+        size_t end = gguf_get_data_offset(g);
+        for (int64_t i = 0; i < gguf_get_n_tensors(g); i++) {
+            size_t e = gguf_get_data_offset(g) + gguf_get_tensor_offset(g, i) + gguf_get_tensor_size(g, i);
+            if (e > end) end = e;
+            if (!is_known_tensor(gguf_get_tensor_name(g, i), hp->n_layer)) {
+                dflash_seterr(err, err_len, "drafter '%s' has an unsupported tensor '%s'", path, gguf_get_tensor_name(g, i));
+                ok = false;
+                break;
+            }
+        }
+        if (ok && end > (size_t) stt.st_size) {
+            dflash_seterr(err, err_len, "drafter file '%s' is truncated (%lld of %lld bytes)", path,
+                          (long long) stt.st_size, (long long) end);
+            ok = false;
+        }
+    }
+
+    // Shapes.
+    const int64_t E = hp->n_embd, qd = (int64_t) hp->head_dim * hp->n_head, kvd = (int64_t) hp->head_dim * hp->n_head_kv;
+    struct ggml_tensor * m_fc = NULL, * m_hn = NULL, * m_on = NULL, * m_te = NULL, * m_out = NULL;
+    struct ggml_tensor * m_l[DFLASH_MAX_LAYERS][11];
+    if (ok) {
+        m_fc = want(meta, "fc.weight", (int64_t) hp->n_taps * E, E, true, err, err_len, &ok);
+        if (ok) m_hn = want(meta, "enc.output_norm.weight", E, 1, true, err, err_len, &ok);
+        if (ok) m_on = want(meta, "output_norm.weight", E, 1, true, err, err_len, &ok);
+        if (ok) m_te = want(meta, "token_embd.weight", E, hp->n_vocab, false, err, err_len, &ok);
+        if (ok) m_out = want(meta, "output.weight", E, hp->n_vocab, false, err, err_len, &ok);
+        static const char * names[11] = { "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                           "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down" };
+        const int64_t shp[11][2] = { { E, 1 }, { E, qd }, { E, kvd }, { E, kvd }, { qd, E }, { hp->head_dim, 1 },
+                                     { hp->head_dim, 1 }, { E, 1 }, { E, hp->n_ff }, { E, hp->n_ff }, { hp->n_ff, E } };
+        for (int il = 0; ok && il < hp->n_layer; il++) {
+            for (int k = 0; ok && k < 11; k++) {
+                char nm[96];
+                snprintf(nm, sizeof(nm), "blk.%d.%s.weight", il, names[k]);
+                m_l[il][k] = want(meta, nm, shp[k][0], shp[k][1], true, err, err_len, &ok);
+            }
+        }
+    }
+
+    // Borrow the target's embedding and head.
+    if (ok) {
+        d->tok_embd = m_te ? NULL : target_tensor(target, "token_embd.weight", true);
+        struct ggml_tensor * head = m_out ? NULL : target_tensor(target, "output.weight", false);
+        if (!m_out && !head) head = target_tensor(target, "token_embd.weight", false); // tied
+        if (m_out) head = NULL;
+        d->head = head;
+        if ((!m_te && !d->tok_embd) || (!m_out && !d->head)) {
+            dflash_seterr(err, err_len, "cannot reach the target's token embedding / output head in this libllama");
+            ok = false;
+        } else {
+            struct ggml_tensor * ts[2] = { d->tok_embd, d->head };
+            for (int i = 0; i < 2; i++) {
+                if (ts[i] && (ts[i]->ne[0] != E || ts[i]->ne[1] != hp->n_vocab)) {
+                    dflash_seterr(err, err_len, "target tensor '%s' has an unexpected shape", ggml_get_name(ts[i]));
+                    ok = false;
+                }
+            }
+        }
+    }
+
+    // Backends: the device holding the target's head, plus the CPU.
+    if (ok) {
+        d->cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);
+        ggml_backend_t main_be = NULL;
+        if (d->head && d->head->buffer) {
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(d->head->buffer));
+            if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
+        }
+        if (main_be) d->backends[d->n_backends++] = main_be;
+        d->backends[d->n_backends++] = d->cpu;
+        if (!d->cpu) {
+            dflash_seterr(err, err_len, "no CPU backend available");
+            ok = false;
+        } else {
+            ggml_backend_cpu_set_n_threads(d->cpu, n_threads > 0 ? n_threads : 1);
+        }
+    }
+
+    // Own weights.
+    if (ok) {
+        size_t n_t = (size_t) gguf_get_n_tensors(g) + 1;
+        struct ggml_init_params ip = { n_t * ggml_tensor_overhead(), NULL, true };
+        d->ctx_w = ggml_init(ip);
+        struct ggml_tensor * dst[DFLASH_MAX_LAYERS * 11 + 5];
+        int nd = 0;
+#define DUP(m) (m ? (dst[nd] = ggml_dup_tensor(d->ctx_w, m), ggml_set_name(dst[nd], ggml_get_name(m)), dst[nd++]) : NULL)
+        d->fc = DUP(m_fc);
+        d->hidden_norm = DUP(m_hn);
+        d->out_norm = DUP(m_on);
+        if (m_te) d->tok_embd = DUP(m_te);
+        if (m_out) d->head = DUP(m_out);
+        for (int il = 0; il < hp->n_layer; il++) {
+            struct dflash_layer * L = &d->layers[il];
+            struct ggml_tensor ** slots[11] = { &L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->q_norm,
+                                                &L->k_norm, &L->ffn_norm, &L->ffn_gate, &L->ffn_up, &L->ffn_down };
+            for (int k = 0; k < 11; k++) *slots[k] = DUP(m_l[il][k]);
+        }
+#undef DUP
+        d->buf_w = ggml_backend_alloc_ctx_tensors(d->ctx_w, d->backends[0]);
+        if (!d->buf_w) {
+            dflash_seterr(err, err_len, "out of memory allocating drafter weights");
+            ok = false;
+        } else {
+            ggml_backend_buffer_set_usage(d->buf_w, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            ok = read_weights(d, path, g, err, err_len);
+        }
+    }
+
+    // Context cache.
+    if (ok) {
+        hp->n_ctx = n_ctx;
+        struct ggml_init_params ip = { (size_t) (2 * hp->n_layer + 1) * ggml_tensor_overhead(), NULL, true };
+        d->ctx_kv = ggml_init(ip);
+        for (int il = 0; il < hp->n_layer; il++) {
+            d->layers[il].k_cache = ggml_new_tensor_2d(d->ctx_kv, GGML_TYPE_F32, kvd, n_ctx);
+            d->layers[il].v_cache = ggml_new_tensor_2d(d->ctx_kv, GGML_TYPE_F32, n_ctx, kvd);
+        }
+        d->buf_kv = ggml_backend_alloc_ctx_tensors(d->ctx_kv, d->backends[0]);
+        if (!d->buf_kv) {
+            dflash_seterr(err, err_len, "out of memory allocating the drafter cache (n_ctx %d)", n_ctx);
+            ok = false;
+        } else {
+            ggml_backend_buffer_clear(d->buf_kv, 0);
+        }
+    }
+
+    // Scheduler, sized by the largest graph we will build.
+    if (ok) {
+        d->meta_size = ggml_tensor_overhead() * DFLASH_GRAPH_SIZE + ggml_graph_overhead_custom(DFLASH_GRAPH_SIZE, false);
+        d->meta_buf = malloc(d->meta_size);
+        d->sched = ggml_backend_sched_new(d->backends, NULL, d->n_backends, DFLASH_GRAPH_SIZE, false, true);
+        d->pending_cap = DFLASH_INJECT_CHUNK;
+        d->pending = malloc(sizeof(float) * (size_t) d->pending_cap * d->n_embd_inp);
+        const int32_t n_feat = n_ctx - hp->block_size < DFLASH_INJECT_CHUNK ? (n_ctx - hp->block_size > 1 ? n_ctx - hp->block_size : 1)
+                                                                            : DFLASH_INJECT_CHUNK;
+        const int32_t saved = d->n_cached;
+        d->n_cached = n_ctx - hp->block_size - n_feat;
+        if (d->n_cached < 0) d->n_cached = 0;
+        struct dflash_graph G;
+        int32_t n_block = hp->block_size <= n_ctx ? hp->block_size : n_ctx;
+        if (n_block >= 2 && build_graph(d, &G, n_feat, n_block, true)) {
+            if (!ggml_backend_sched_reserve(d->sched, G.gf)) {
+                dflash_seterr(err, err_len, "out of memory reserving the drafter compute buffer");
+                ok = false;
+            }
+            ggml_free(G.ctx);
+        }
+        d->n_cached = saved;
+    }
+
+    gguf_free(g);
+    ggml_free(meta);
+    if (!ok) {
+        dflash_drafter_free(d);
+        return NULL;
+    }
+    return d;
+}
+
+void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out) {
+    *out = d->hp;
+}
+
+void dflash_drafter_reset(dflash_drafter * d) {
+    d->n_cached = 0;
+    d->n_pending = 0;
+}
+
+int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) {
+    if (n < 0) return -1;
+    if (n < d->n_cached) {
+        d->n_cached = n;
+        d->n_pending = 0;
+    } else if (n < d->n_cached + d->n_pending) {
+        d->n_pending = n - d->n_cached;
+    }
+    return dflash_drafter_n_ctx_used(d);
+}
+
+int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d) {
+    return d->n_cached + d->n_pending;
+}
+
+int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows, char * err, size_t err_len) {
+    if (n_rows < 0) return -1;
+    if (d->n_cached + d->n_pending + n_rows > d->hp.n_ctx) {
+        dflash_seterr(err, err_len, "drafter context overflow: %d + %d positions exceed n_ctx %d",
+                      d->n_cached + d->n_pending, n_rows, d->hp.n_ctx);
+        return -1;
+    }
+    while (n_rows > 0) {
+        if (d->n_pending == d->pending_cap) {
+            if (run_graph(d, d->n_pending, 0, 0, NULL, NULL, err, err_len) != 0) return -1;
+        }
+        int32_t take = d->pending_cap - d->n_pending;
+        if (take > n_rows) take = n_rows;
+        memcpy(d->pending + (size_t) d->n_pending * d->n_embd_inp, rows,
+               sizeof(float) * (size_t) take * d->n_embd_inp);
+        d->n_pending += take;
+        rows += (size_t) take * d->n_embd_inp;
+        n_rows -= take;
+    }
+    return 0;
+}
+
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, int32_t * out_tokens,
+                             float * out_logits, char * err, size_t err_len) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    if (n < 1 || n > hp->block_size - 1) {
+        dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, hp->block_size - 1, hp->block_size);
+        return -1;
+    }
+    if (anchor < 0 || anchor >= hp->n_vocab) {
+        dflash_seterr(err, err_len, "anchor token %d is outside the vocabulary", anchor);
+        return -1;
+    }
+    if (d->n_cached + d->n_pending + n + 1 > hp->n_ctx) {
+        dflash_seterr(err, err_len, "drafter context overflow: %d positions + block %d exceed n_ctx %d",
+                      d->n_cached + d->n_pending, n + 1, hp->n_ctx);
+        return -1;
+    }
+    return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, err, err_len);
+}

@@ -1,0 +1,313 @@
+// The speculative loop: prefill -> draft -> verify -> accept -> rollback,
+// greedy (token-identical to plain greedy decoding).
+//
+// State between steps (docs: dflash-architecture §5.1): the committed tokens
+// end with the anchor, which the target has not consumed yet; the target KV
+// cache and the drafter's context both cover every position before it.
+#include "dflash.h"
+
+#include "common.h"
+
+#include "llama.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct dflash_engine {
+    struct llama_context * ctx;
+    const struct llama_model * model;
+    const struct llama_vocab * vocab;
+    int32_t n_vocab;
+    int32_t n_ctx;
+    int32_t n_batch;
+    dflash_drafter * drafter;
+    dflash_capture * capture;
+    dflash_draft_fn draft_fn;
+    void * draft_ud;
+    dflash_step_fn step_fn;
+    void * step_ud;
+    struct llama_batch batch;
+    int32_t * history;     // committed tokens
+    int32_t history_cap;
+};
+
+dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
+                                  char * err, size_t err_len) {
+    if (!tctx) {
+        dflash_seterr(err, err_len, "a target context is required");
+        return NULL;
+    }
+    if (d && !c) {
+        dflash_seterr(err, err_len, "a drafter needs a feature capture on the target");
+        return NULL;
+    }
+    if (d && c) {
+        struct dflash_drafter_info info;
+        dflash_drafter_get_info(d, &info);
+        if (dflash_capture_row_width(c) != info.n_taps * info.n_embd) {
+            dflash_seterr(err, err_len, "capture width %d does not match the drafter's %d taps x %d",
+                          dflash_capture_row_width(c), info.n_taps, info.n_embd);
+            return NULL;
+        }
+        if (info.n_ctx < (int32_t) llama_n_ctx(tctx)) {
+            dflash_seterr(err, err_len, "drafter cache (%d) is smaller than the target context (%u)", info.n_ctx,
+                          llama_n_ctx(tctx));
+            return NULL;
+        }
+    }
+    struct dflash_engine * e = calloc(1, sizeof(*e));
+    e->ctx = tctx;
+    e->model = llama_get_model(tctx);
+    e->vocab = llama_model_get_vocab(e->model);
+    e->n_vocab = llama_vocab_n_tokens(e->vocab);
+    e->n_ctx = (int32_t) llama_n_ctx(tctx);
+    e->n_batch = (int32_t) llama_n_batch(tctx);
+    e->drafter = d;
+    e->capture = c;
+    e->batch = llama_batch_init(e->n_batch > DFLASH_MAX_DRAFT + 1 ? e->n_batch : DFLASH_MAX_DRAFT + 1, 0, 1);
+    return e;
+}
+
+void dflash_engine_free(dflash_engine * e) {
+    if (!e) return;
+    llama_batch_free(e->batch);
+    free(e->history);
+    free(e);
+}
+
+void dflash_engine_set_draft_fn(dflash_engine * e, dflash_draft_fn fn, void * user_data) {
+    e->draft_fn = fn;
+    e->draft_ud = user_data;
+}
+
+void dflash_engine_set_step_fn(dflash_engine * e, dflash_step_fn fn, void * user_data) {
+    e->step_fn = fn;
+    e->step_ud = user_data;
+}
+
+// Greedy choice over one row of logits, with the top-1 minus top-2 margin.
+static int32_t argmax_margin(const float * row, int32_t n, float * margin) {
+    int32_t best = 0;
+    float b1 = -INFINITY, b2 = -INFINITY;
+    for (int32_t i = 0; i < n; i++) {
+        const float v = row[i];
+        if (v > b1) {
+            b2 = b1;
+            b1 = v;
+            best = i;
+        } else if (v > b2) {
+            b2 = v;
+        }
+    }
+    if (margin) *margin = b1 - b2;
+    return best;
+}
+
+// Decode tokens[0..n) at positions pos0.. with logits on rows [first_logit, n).
+// Captured features (if any) go to the drafter for rows [0, n_feat).
+static int32_t decode(struct dflash_engine * e, const int32_t * tokens, int32_t n, int32_t pos0, int32_t first_logit,
+                      const float ** feats, char * err, size_t err_len) {
+    struct llama_batch * b = &e->batch;
+    b->n_tokens = n;
+    for (int32_t i = 0; i < n; i++) {
+        b->token[i] = tokens[i];
+        b->pos[i] = pos0 + i;
+        b->n_seq_id[i] = 1;
+        b->seq_id[i][0] = 0;
+        b->logits[i] = i >= first_logit;
+    }
+    if (e->capture) dflash_capture_begin(e->capture);
+    const int32_t rc = llama_decode(e->ctx, *b);
+    if (rc != 0) {
+        dflash_seterr(err, err_len, "llama_decode failed (code %d) at position %d", rc, pos0);
+        return -1;
+    }
+    if (feats) {
+        *feats = NULL;
+        if (e->capture) {
+            *feats = dflash_capture_rows(e->capture, n);
+            if (!*feats) {
+                dflash_seterr(err, err_len, "feature capture returned incomplete rows");
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static int32_t target_len(const struct dflash_engine * e) {
+    return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
+}
+
+int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
+                               const struct dflash_engine_params * params, int32_t * out_tokens,
+                               float * out_margins, struct dflash_stats * st, char * err, size_t err_len) {
+    memset(st, 0, sizeof(*st));
+    const int32_t max_tokens = params->max_tokens;
+    int32_t n_draft = params->n_draft;
+    if (n_prompt < 1) {
+        dflash_seterr(err, err_len, "the prompt is empty");
+        return -1;
+    }
+    if (max_tokens < 1) {
+        dflash_seterr(err, err_len, "max_tokens must be at least 1 (got %d)", max_tokens);
+        return -1;
+    }
+    if (n_draft < 0 || n_draft > DFLASH_MAX_DRAFT) {
+        dflash_seterr(err, err_len, "draft length must be in 0..%d (got %d)", DFLASH_MAX_DRAFT, n_draft);
+        return -1;
+    }
+    if (n_draft > 0 && !e->drafter && !e->draft_fn) {
+        dflash_seterr(err, err_len, "draft length %d needs a drafter or a draft source", n_draft);
+        return -1;
+    }
+    if (e->drafter && !e->draft_fn) {
+        struct dflash_drafter_info info;
+        dflash_drafter_get_info(e->drafter, &info);
+        if (n_draft > info.block_size - 1) {
+            dflash_seterr(err, err_len, "draft length %d exceeds the drafter's block (%d): at most %d", n_draft,
+                          info.block_size, info.block_size - 1);
+            return -1;
+        }
+    }
+    if (n_prompt > e->n_ctx) {
+        dflash_seterr(err, err_len, "the prompt has %d tokens but n_ctx is %d", n_prompt, e->n_ctx);
+        return -1;
+    }
+    if ((int64_t) n_prompt + max_tokens > e->n_ctx) {
+        dflash_seterr(err, err_len, "prompt (%d tokens) + max_tokens (%d) exceeds n_ctx (%d)", n_prompt, max_tokens,
+                      e->n_ctx);
+        return -1;
+    }
+    for (int32_t i = 0; i < n_prompt; i++) {
+        if (prompt[i] < 0 || prompt[i] >= e->n_vocab) {
+            dflash_seterr(err, err_len, "prompt token %d at index %d is outside the vocabulary (%d)", prompt[i], i,
+                          e->n_vocab);
+            return -1;
+        }
+    }
+    const int32_t need = n_prompt + max_tokens;
+    if (need > e->history_cap) {
+        int32_t * h = realloc(e->history, sizeof(int32_t) * need);
+        if (!h) {
+            dflash_seterr(err, err_len, "out of memory");
+            return -1;
+        }
+        e->history = h;
+        e->history_cap = need;
+    }
+    memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
+    int32_t n_hist = n_prompt;
+
+    llama_memory_clear(llama_get_memory(e->ctx), true);
+    if (e->drafter) dflash_drafter_reset(e->drafter);
+    st->n_prompt = n_prompt;
+
+    // Prefill, chunk by chunk; every chunk's features go to the drafter.
+    const double t0 = dflash_now();
+    for (int32_t p = 0; p < n_prompt; p += e->n_batch) {
+        const int32_t n = n_prompt - p < e->n_batch ? n_prompt - p : e->n_batch;
+        const float * feats = NULL;
+        if (decode(e, prompt + p, n, p, p + n == n_prompt ? n - 1 : n, &feats, err, err_len) != 0) return -1;
+        if (e->drafter && dflash_drafter_push(e->drafter, feats, n, err, err_len) != 0) return -1;
+    }
+    float margin = 0.0f;
+    int32_t tok = argmax_margin(llama_get_logits_ith(e->ctx, -1), e->n_vocab, &margin);
+    const double t1 = dflash_now();
+    st->t_prefill_s = t1 - t0;
+
+    int32_t n_gen = 0;
+    out_tokens[n_gen] = tok;
+    if (out_margins) out_margins[n_gen] = margin;
+    n_gen++;
+    e->history[n_hist++] = tok;
+    int32_t n_past = n_prompt; // target KV length == position of the anchor
+    bool eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
+
+    int32_t drafts[DFLASH_MAX_DRAFT + 1];
+    int32_t verify[DFLASH_MAX_DRAFT + 1];
+    while (!eos && n_gen < max_tokens) {
+        // Never draft past the token budget or the context.
+        int32_t n = n_draft;
+        if (n > max_tokens - n_gen - 1) n = max_tokens - n_gen - 1;
+        if (n > e->n_ctx - n_past - 1) n = e->n_ctx - n_past - 1;
+        if (n < 0) n = 0;
+        const int32_t anchor = e->history[n_hist - 1];
+
+        const double ta = dflash_now();
+        int32_t n_drafted = 0;
+        if (n > 0) {
+            if (e->draft_fn) {
+                n_drafted = e->draft_fn(e->draft_ud, e->history, n_hist, n, drafts);
+                if (n_drafted < 0 || n_drafted > n) {
+                    dflash_seterr(err, err_len, "draft source returned %d tokens (asked for at most %d)", n_drafted, n);
+                    return -1;
+                }
+                for (int32_t i = 0; i < n_drafted; i++) {
+                    if (drafts[i] < 0 || drafts[i] >= e->n_vocab) {
+                        dflash_seterr(err, err_len, "draft source returned token %d outside the vocabulary", drafts[i]);
+                        return -1;
+                    }
+                }
+            } else if (e->drafter) {
+                if (dflash_drafter_draft(e->drafter, anchor, n, drafts, NULL, err, err_len) != 0) return -1;
+                n_drafted = n;
+            }
+        }
+        const double tb = dflash_now();
+
+        verify[0] = anchor;
+        memcpy(verify + 1, drafts, sizeof(int32_t) * n_drafted);
+        const float * feats = NULL;
+        if (decode(e, verify, n_drafted + 1, n_past, 0, &feats, err, err_len) != 0) return -1;
+
+        // Accept the longest prefix of drafts that greedy decoding reproduces,
+        // then the target's own token at the first disagreement (or the bonus).
+        int32_t n_acc = 0;
+        for (int32_t i = 0; i <= n_drafted; i++) {
+            tok = argmax_margin(llama_get_logits_ith(e->ctx, i), e->n_vocab, &margin);
+            out_tokens[n_gen] = tok;
+            if (out_margins) out_margins[n_gen] = margin;
+            n_gen++;
+            e->history[n_hist++] = tok;
+            if (params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok)) {
+                eos = true;
+                break;
+            }
+            if (i == n_drafted || drafts[i] != tok) break;
+            n_acc++;
+        }
+        const double tc = dflash_now();
+
+        // Roll back the rejected rows; the drafter gets the kept rows' features.
+        const int32_t n_keep = n_acc + 1;
+        if (n_keep < n_drafted + 1 &&
+            !llama_memory_seq_rm(llama_get_memory(e->ctx), 0, n_past + n_keep, -1)) {
+            dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+            return -1;
+        }
+        if (e->drafter && dflash_drafter_push(e->drafter, feats, n_keep, err, err_len) != 0) return -1;
+        n_past += n_keep;
+
+        st->steps++;
+        st->drafted += n_drafted;
+        st->accepted += n_acc;
+        for (int32_t i = 0; i < n_drafted; i++) {
+            st->per_position_drafted[i]++;
+            if (i < n_acc) st->per_position_accepted[i]++;
+        }
+        st->t_draft_s += tb - ta;
+        st->t_verify_s += tc - tb;
+
+        if (e->step_fn) {
+            struct dflash_step s = { st->steps, n_drafted, n_acc, n_hist, target_len(e),
+                                     e->drafter ? dflash_drafter_n_ctx_used(e->drafter) : n_past };
+            e->step_fn(e->step_ud, &s);
+        }
+    }
+    st->t_total_s = dflash_now() - t1;
+    st->n_generated = n_gen;
+    st->stop_reason = eos ? 1 : 2;
+    return n_gen;
+}

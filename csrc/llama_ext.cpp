@@ -1,0 +1,69 @@
+// Access to the parts of libllama that are not in its C API: the staging
+// functions of src/llama-ext.h (C++ linkage, so mangled names) and the
+// model's tensor table.  Every symbol is resolved at run time from the
+// libllama already loaded in the process, so a missing one is reported as
+// "unsupported" instead of failing to load.
+#include "llama_ext.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using tensor_map = std::vector<std::pair<std::string, ggml_tensor *>>;
+using tensor_map_fn = const tensor_map & (*)(const llama_model *);
+
+void * libllama_handle() {
+    static void * h = [] {
+        // RTLD_NOLOAD: never map a second copy; llama_cpp has loaded it already
+        // (or our own DT_NEEDED entry did).
+        void * p = dlopen("libllama.so.0", RTLD_NOW | RTLD_NOLOAD);
+        if (!p) p = dlopen("libllama.so", RTLD_NOW | RTLD_NOLOAD);
+        return p;
+    }();
+    return h;
+}
+
+void * sym(const char * name) {
+    void * h = libllama_handle();
+    return h ? dlsym(h, name) : nullptr;
+}
+
+} // namespace
+
+extern "C" {
+
+const dflash_llama_ext * dflash_llama_ext_get(void) {
+    static dflash_llama_ext ext = [] {
+        dflash_llama_ext e;
+        std::memset(&e, 0, sizeof(e));
+        e.set_layer_inp = (void (*)(llama_context *, uint32_t, bool))
+            sym("_Z30llama_set_embeddings_layer_inpP13llama_contextjb");
+        e.get_layer_inp = (float * (*)(llama_context *, uint32_t))
+            sym("_Z30llama_get_embeddings_layer_inpP13llama_contextj");
+        e.tensor_map = sym("_Z29llama_internal_get_tensor_mapB5cxx11PK11llama_model");
+        return e;
+    }();
+    return &ext;
+}
+
+int32_t dflash_model_tensors(const llama_model * model, const char * name,
+                             ggml_tensor ** out, int32_t max_out) {
+    const dflash_llama_ext * ext = dflash_llama_ext_get();
+    if (!ext->tensor_map) return -1;
+    const tensor_map & map = ((tensor_map_fn) ext->tensor_map)(model);
+    int32_t n = 0;
+    for (const auto & [tname, t] : map) {
+        if (tname == name) {
+            if (n < max_out) out[n] = t;
+            n++;
+        }
+    }
+    return n;
+}
+
+} // extern "C"

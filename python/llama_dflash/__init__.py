@@ -1,0 +1,11 @@
+"""llama-dflash: DFlash speculative decoding on llama.cpp."""
+
+from __future__ import annotations
+
+import llama_cpp  # noqa: F401  (load libllama first: the C core binds to that copy)
+
+from .engine import DFlashError, GenerationResult, SpeculativeGenerator
+from .stats import SpecStats
+
+__all__ = ["DFlashError", "GenerationResult", "SpecStats", "SpeculativeGenerator"]
+__version__ = "0.1.0"

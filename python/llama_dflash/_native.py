@@ -1,0 +1,81 @@
+"""Thin cffi binding of the C core (csrc/dflash.h).
+
+``llama_cpp`` is imported before the core is opened: the core's DT_NEEDED
+entries then resolve to the libllama/libggml copies that llama_cpp already
+mapped, so the process holds exactly one copy of each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+import cffi
+import llama_cpp  # noqa: F401  (must load libllama before the core)
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _cdef_from_header(text: str) -> str:
+    """Keep declarations and numeric #defines; drop guards and C++ wrappers."""
+    out: list[str] = []
+    skip_cpp = False
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("#ifdef __cplusplus"):
+            skip_cpp = True
+            continue
+        if skip_cpp:
+            if s.startswith("#endif"):
+                skip_cpp = False
+            continue
+        m = re.match(r"#define\s+(\w+)\s+(\d+)\s*$", s)
+        if m:
+            out.append(f"#define {m.group(1)} {m.group(2)}")
+            continue
+        if s.startswith("#"):
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+def _find(name: str) -> Path:
+    for cand in (_HERE / name, _HERE.parent.parent / "csrc" / name):
+        if cand.exists():
+            return cand
+    raise ImportError(f"llama_dflash: {name} not found next to the package; reinstall llama-dflash")
+
+
+ffi = cffi.FFI()
+ffi.cdef(_cdef_from_header(_find("dflash.h").read_text()))
+lib = ffi.dlopen(str(_find("libdflash.so")))
+
+ERR_LEN = 512
+
+
+def err_buf():
+    """A fresh buffer for the core's one-line error messages."""
+    return ffi.new("char[]", ERR_LEN)
+
+
+def err_str(buf) -> str:
+    return ffi.string(buf).decode("utf-8", "replace") or "unknown error"
+
+
+def ptr(ctype: str, ctypes_obj) -> object:
+    """Convert a ctypes pointer / struct (from llama_cpp) to a cffi pointer."""
+    if isinstance(ctypes_obj, int):
+        addr = ctypes_obj
+    elif isinstance(ctypes_obj, ctypes.Structure):
+        addr = ctypes.addressof(ctypes_obj)
+    else:
+        addr = ctypes.cast(ctypes_obj, ctypes.c_void_p).value
+    if not addr:
+        raise ValueError("null pointer")
+    return ffi.cast(ctype, addr)
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))

@@ -1,0 +1,119 @@
+"""A DFlash drafter bound to a loaded target model (thin wrapper of dflash_drafter_*)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _native
+from ._native import ffi, lib
+
+
+class DFlashError(RuntimeError):
+    """A user-facing error from llama-dflash (bad file, mismatch, bad parameter)."""
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    version: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    block_size: int
+    target_layers: tuple[int, ...]
+    mask_token_id: int
+    n_vocab: int
+    causal: bool
+    sliding_window: int
+    rope_theta: float
+    rms_eps: float
+    embedding_scale: float
+    logit_scale: float
+    softcap: float
+
+
+def check_file(path: str | os.PathLike, what: str) -> bytes:
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"{what} file not found: {p}")
+    return p.encode()
+
+
+class Drafter:
+    """DFlash drafter weights + its context cache, running as our ggml graph.
+
+    model: the target's ``llama_model *`` (ctypes pointer from llama_cpp); its
+    token embedding and output head are borrowed, not copied.
+    """
+
+    def __init__(self, path: str | os.PathLike, model, n_ctx: int, n_threads: int | None = None) -> None:
+        self._d = None
+        path_b = check_file(path, "drafter")
+        err = _native.err_buf()
+        d = lib.dflash_drafter_load(path_b, _native.ptr("struct llama_model *", model), n_ctx,
+                                    n_threads or _native.default_threads(), err, _native.ERR_LEN)
+        if d == ffi.NULL:
+            raise DFlashError(_native.err_str(err))
+        self._d = d
+        i = ffi.new("struct dflash_drafter_info *")
+        lib.dflash_drafter_get_info(d, i)
+        self.info = DrafterInfo(
+            version=i.version, n_layer=i.n_layer, n_embd=i.n_embd, n_head=i.n_head, n_head_kv=i.n_head_kv,
+            head_dim=i.head_dim, n_ff=i.n_ff, block_size=i.block_size,
+            target_layers=tuple(i.target_layers[k] for k in range(i.n_taps)),
+            mask_token_id=i.mask_token_id, n_vocab=i.n_vocab, causal=bool(i.causal),
+            sliding_window=i.n_swa, rope_theta=i.rope_theta, rms_eps=i.rms_eps,
+            embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
+        )
+
+    @property
+    def handle(self):
+        return self._d
+
+    def reset(self) -> None:
+        lib.dflash_drafter_reset(self._d)
+
+    def truncate(self, n: int) -> None:
+        if lib.dflash_drafter_truncate(self._d, n) < 0:
+            raise DFlashError(f"cannot truncate the drafter context to {n}")
+
+    @property
+    def n_ctx_used(self) -> int:
+        return lib.dflash_drafter_n_ctx_used(self._d)
+
+    def push(self, features: np.ndarray) -> None:
+        """Queue features [rows, n_taps*n_embd] of the next committed positions."""
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        width = len(self.info.target_layers) * self.info.n_embd
+        if f.ndim != 2 or f.shape[1] != width:
+            raise ValueError(f"features must have shape [rows, {width}], got {f.shape}")
+        err = _native.err_buf()
+        if lib.dflash_drafter_push(self._d, ffi.from_buffer("float[]", f), f.shape[0], err, _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+
+    def draft(self, anchor: int, n: int, return_logits: bool = False):
+        """Greedy draft of n tokens after `anchor`; optionally also the [n, vocab] logits."""
+        toks = ffi.new("int32_t[]", max(n, 1))
+        logits = np.empty((max(n, 0), self.info.n_vocab), dtype=np.float32) if return_logits else None
+        lp = ffi.from_buffer("float[]", logits) if return_logits and n > 0 else ffi.NULL
+        err = _native.err_buf()
+        if lib.dflash_drafter_draft(self._d, anchor, n, toks, lp, err, _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+        ids = list(toks[0:n])
+        return (ids, logits) if return_logits else ids
+
+    def close(self) -> None:
+        if self._d is not None:
+            lib.dflash_drafter_free(self._d)
+            self._d = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

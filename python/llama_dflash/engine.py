@@ -1,0 +1,264 @@
+"""Target + drafter loading and speculative generation (the C loop behind a small API)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import llama_cpp
+from llama_cpp import _logger
+
+from . import _native
+from ._native import ffi, lib
+from .drafter import DFlashError, Drafter, DrafterInfo, check_file
+from .stats import SpecStats
+
+DraftSource = Callable[[Sequence[int], int], Sequence[int]]
+"""An external drafter: (committed tokens, last = anchor; n) -> up to n proposed tokens."""
+
+StepCallback = Callable[[dict], None]
+
+_CAPTURE_MODES = {"auto": 0, "layer_inp": 1, "cb_eval": 2}
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    stats: SpecStats
+    margins: list[float] | None = None
+    """Per generated token: target top-1 minus top-2 logit at the row that produced it."""
+
+
+class SpeculativeGenerator:
+    """A target model (GGUF) with an optional DFlash drafter (GGUF).
+
+    Without a drafter it decodes plainly through the same loop, which makes
+    side-by-side comparisons exact.  ``capture`` forces a feature-capture path
+    ("layer_inp" or "cb_eval"); "auto" picks the one the target supports.
+    ``capture_layers`` turns capture on without a drafter (HF layer ids), for
+    measuring its cost or producing training features.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        drafter_path: str | os.PathLike | None = None,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        capture: str = "auto",
+        capture_layers: Sequence[int] | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self._model = self._ctx = self._drafter = self._capture = self._engine = None
+        if capture not in _CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {sorted(_CAPTURE_MODES)}, got {capture!r}")
+        if n_ctx < 1 or n_batch < 1:
+            raise ValueError("n_ctx and n_batch must be positive")
+        self.n_threads = n_threads or _native.default_threads()
+        self.n_ctx = n_ctx
+        model_b = check_file(model_path, "target model")
+        if drafter_path is not None:
+            check_file(drafter_path, "drafter")
+        _logger.set_verbose(verbose)
+        llama_cpp.llama_backend_init()
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(model_b, mparams)
+        if not self._model:
+            raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
+        model_c = _native.ptr("struct llama_model *", self._model)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        err = _native.err_buf()
+
+        self.drafter_info: DrafterInfo | None = None
+        taps: list[int] = list(capture_layers or [])
+        if drafter_path is not None:
+            try:
+                self._drafter = Drafter(drafter_path, self._model, n_ctx, self.n_threads)
+            except BaseException:
+                self.close()
+                raise
+            self.drafter_info = self._drafter.info
+            taps = list(self.drafter_info.target_layers)
+
+        if taps:
+            arr = ffi.new("int32_t[]", taps)
+            c = lib.dflash_capture_new(model_c, arr, len(taps), n_batch, _CAPTURE_MODES[capture], err,
+                                       _native.ERR_LEN)
+            if c == ffi.NULL:
+                self.close()
+                raise DFlashError(_native.err_str(err))
+            self._capture = c
+            self.capture_mode = {1: "layer_inp", 2: "cb_eval"}[lib.dflash_capture_mode(c)]
+        else:
+            self.capture_mode = "none"
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        if self._capture is not None:
+            lib.dflash_capture_install(self._capture, _native.ptr("void *", cparams))
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            raise DFlashError(f"cannot create a context with n_ctx={n_ctx}, n_batch={n_batch}")
+        ctx_c = _native.ptr("struct llama_context *", self._ctx)
+        if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
+            self.close()
+            raise DFlashError(_native.err_str(err))
+        e = lib.dflash_engine_new(ctx_c, self._drafter.handle if self._drafter else ffi.NULL, self._capture or ffi.NULL, err,
+                                  _native.ERR_LEN)
+        if e == ffi.NULL:
+            self.close()
+            raise DFlashError(_native.err_str(err))
+        self._engine = e
+
+    # -- info ---------------------------------------------------------------
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.drafter_info.block_size - 1 if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+
+    # -- text ---------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 16
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, False)
+        if n < 0:
+            buf = (llama_cpp.llama_token * -n)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, False)
+        return list(buf[:n])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        out = bytearray()
+        buf = ctypes.create_string_buffer(256)
+        for t in tokens:
+            n = llama_cpp.llama_token_to_piece(self._vocab, int(t), buf, len(buf), 0, False)
+            if n > 0:
+                out += buf.raw[:n]
+        return out.decode("utf-8", errors="replace")
+
+    # -- generation -----------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        *,
+        draft_len: int | None = None,
+        draft_source: DraftSource | None = None,
+        stop_on_eos: bool = True,
+        return_margins: bool = False,
+        on_step: StepCallback | None = None,
+    ) -> GenerationResult:
+        """Greedy speculative generation (token-identical to plain greedy decoding).
+
+        draft_len: tokens drafted per step (default: the drafter's block - 1;
+        0 decodes plainly).  draft_source replaces the DFlash drafter with a
+        Python callable.  on_step receives each step's cache state.
+        """
+        if self._engine is None:
+            raise DFlashError("generator is closed")
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if draft_len is None:
+            draft_len = self.max_draft_len if (self._drafter or draft_source) else 0
+            if draft_source and not self._drafter:
+                draft_len = min(draft_len, 15)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if draft_len < 0:
+            raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+
+        errors: list[BaseException] = []
+        draft_cb = step_cb = ffi.NULL
+        if draft_source is not None:
+            def _draft(_ud, hist, n_hist, n, out):
+                try:
+                    prop = list(draft_source(ffi.unpack(hist, n_hist), n))[:n]
+                    for i, t in enumerate(prop):
+                        out[i] = int(t)
+                    return len(prop)
+                except BaseException as ex:  # re-raised after the C loop returns
+                    errors.append(ex)
+                    return -1
+            draft_cb = ffi.callback("dflash_draft_fn", _draft)
+        if on_step is not None:
+            def _step(_ud, s):
+                try:
+                    on_step({"step": s.step, "drafted": s.drafted, "accepted": s.accepted,
+                             "committed": s.committed, "target_len": s.target_len,
+                             "drafter_len": s.drafter_len})
+                except BaseException as ex:
+                    errors.append(ex)
+            step_cb = ffi.callback("dflash_step_fn", _step)
+        lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
+        lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
+
+        params = ffi.new("struct dflash_engine_params *",
+                         {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos})
+        prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
+        out = ffi.new("int32_t[]", max_tokens)
+        margins = ffi.new("float[]", max_tokens) if return_margins else ffi.NULL
+        st = ffi.new("struct dflash_stats *")
+        err = _native.err_buf()
+        try:
+            n = lib.dflash_engine_generate(self._engine, prompt_c, len(tokens), params, out, margins, st, err,
+                                           _native.ERR_LEN)
+        finally:
+            lib.dflash_engine_set_draft_fn(self._engine, ffi.NULL, ffi.NULL)
+            lib.dflash_engine_set_step_fn(self._engine, ffi.NULL, ffi.NULL)
+        if errors:
+            raise errors[0]
+        if n < 0:
+            raise DFlashError(_native.err_str(err))
+        toks = list(out[0:n])
+        kind = "external" if draft_source else ("dflash" if self._drafter and draft_len > 0 else "none")
+        stats = SpecStats.from_c(st, draft_len, kind)
+        return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats,
+                                margins=list(margins[0:n]) if return_margins else None)
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the engine, context, drafter, capture and model (in that order)."""
+        if getattr(self, "_engine", None):
+            lib.dflash_engine_free(self._engine)
+        self._engine = None
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+        self._ctx = None
+        if getattr(self, "_drafter", None):
+            self._drafter.close()
+        self._drafter = None
+        if getattr(self, "_capture", None):
+            lib.dflash_capture_free(self._capture)
+        self._capture = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+        self._model = None
+
+    def __enter__(self) -> SpeculativeGenerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,79 @@
+"""Statistics of one speculative generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """What one generation did and where its time went.
+
+    tau is the mean acceptance length per verify step, bonus token included
+    (1 <= tau <= n + 1).  per_position[k] is the fraction of steps that drafted
+    a token at position k+1 and had it accepted.  Times are seconds; t_total_s
+    covers the decode phase (after prefill), t_other_s is the loop's own cost.
+    """
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[float] = field(default_factory=list)
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    t_prefill_s: float = 0.0
+    t_draft_s: float = 0.0
+    t_verify_s: float = 0.0
+    t_total_s: float = 0.0
+    stop_reason: str = ""
+    draft_len: int = 0
+    drafter: str = "none"
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def t_other_s(self) -> float:
+        return max(0.0, self.t_total_s - self.t_draft_s - self.t_verify_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens produced by verify steps per second of decode phase."""
+        n = self.n_generated - 1
+        return n / self.t_total_s if n > 0 and self.t_total_s > 0 else 0.0
+
+    @classmethod
+    def from_c(cls, st, draft_len: int, drafter: str) -> SpecStats:
+        n = max((i + 1 for i in range(len(st.per_position_drafted)) if st.per_position_drafted[i]), default=0)
+        drafted = [int(st.per_position_drafted[i]) for i in range(n)]
+        accepted = [int(st.per_position_accepted[i]) for i in range(n)]
+        return cls(
+            n_prompt=st.n_prompt,
+            n_generated=st.n_generated,
+            steps=st.steps,
+            drafted=st.drafted,
+            accepted=st.accepted,
+            per_position=[a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            per_position_drafted=drafted,
+            per_position_accepted=accepted,
+            t_prefill_s=st.t_prefill_s,
+            t_draft_s=st.t_draft_s,
+            t_verify_s=st.t_verify_s,
+            t_total_s=st.t_total_s,
+            stop_reason={1: "eos", 2: "max_tokens"}.get(st.stop_reason, "unknown"),
+            draft_len=draft_len,
+            drafter=drafter,
+        )
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, t_other_s=self.t_other_s,
+                 tokens_per_s=self.tokens_per_s)
+        return d
