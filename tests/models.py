@@ -19,6 +19,7 @@ from llama_dflash.gguf_io import DrafterConfig, random_drafter_tensors, write_dr
 
 VOCAB = 1024
 MASK_ID = 16  # '<empty_output>': an unused special token of SmolLM2
+LAYER_SCALE = 3.0  # large enough that greedy continuations vary (not one repeated token)
 
 
 def smollm2_path() -> str:
@@ -105,8 +106,8 @@ def write_target(path: str, spec: TargetSpec) -> str:
             w.add_tensor("output.weight", head)
         else:
             qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[spec.output_type]
-            w.add_tensor("output.weight", quantize(head, qt), raw_shape=head.shape, raw_dtype=qt)
-    s = 0.6 / np.sqrt(E)
+            w.add_tensor("output.weight", quantize(head, qt), raw_dtype=qt)
+    s = LAYER_SCALE / np.sqrt(E)
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(E))
@@ -124,7 +125,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
         w.add_tensor(p + "ffn_norm.weight", norm(E))
         w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E, s))
         w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E, s))
-        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff, 0.6 / np.sqrt(spec.n_ff)))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff, LAYER_SCALE / np.sqrt(spec.n_ff)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -124,7 +124,7 @@ def write_drafter(
         elif qt == GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
         else:
-            w.add_tensor(name, quantize(a, qt), raw_shape=a.shape, raw_dtype=qt)
+            w.add_tensor(name, quantize(a, qt), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

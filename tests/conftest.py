@@ -1,0 +1,55 @@
+"""Session fixtures: tiny targets of several architectures and matching drafters."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import llama_cpp  # noqa: E402
+from llama_cpp import _logger  # noqa: E402
+from models import TargetSpec, drafter_config, write_random_drafter, write_target  # noqa: E402
+
+from llama_dflash import _native  # noqa: E402,F401
+
+_logger.set_verbose(False)
+
+TARGETS = {
+    # llama: layer-input capture, tied embeddings
+    "llama": TargetSpec(arch="llama", tied=True, seed=0),
+    # qwen3: layer-input capture, separate Q8_0 output head
+    "qwen3": TargetSpec(arch="qwen3", tied=False, output_type="q8_0", seed=1),
+    # qwen2: its graph builder records no layer inputs -> cb_eval capture
+    "qwen2": TargetSpec(arch="qwen2", tied=True, seed=2),
+}
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, spec in TARGETS.items():
+        tp = write_target(str(d / f"target-{name}.gguf"), spec)
+        dp = write_random_drafter(str(d / f"drafter-{name}.gguf"), tp, drafter_config(spec), seed=spec.seed + 10)
+        out[name] = {"target": tp, "drafter": dp, "spec": spec, "dir": d}
+    return out
+
+
+@pytest.fixture(scope="session")
+def load_model():
+    """Load a bare llama_model* (no context); freed at session end."""
+    models = []
+
+    def _load(path):
+        llama_cpp.llama_backend_init()
+        m = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        assert m, path
+        models.append(m)
+        return m
+
+    yield _load
+    for m in models:
+        llama_cpp.llama_model_free(m)

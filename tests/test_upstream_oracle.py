@@ -1,0 +1,44 @@
+"""The same drafter GGUF through upstream's `dflash` graph proposes what ours proposes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import MASK_ID
+from upstream import UpstreamDrafter
+
+from llama_dflash.drafter import Drafter
+
+# Upstream runs with an f32 cache and without flash attention (tests/upstream.py):
+# then both graphs perform the same operations and agree to float rounding.
+TOL = (1e-4, 1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_same_as_upstream_graph(artifacts, load_model, name):
+    a = artifacts[name]
+    model = load_model(a["target"])
+    ours = Drafter(a["drafter"], model, n_ctx=512, n_threads=2)
+    up = UpstreamDrafter(a["drafter"], model, n_ctx=512)
+    width = len(ours.info.target_layers) * ours.info.n_embd
+    feats = np.random.default_rng(7).standard_normal((300, width)).astype(np.float32)
+    tol = TOL
+    rng = np.random.default_rng(8)
+    done = 0
+    compared = 0
+    for n_new, n in [(12, 7), (3, 15), (1, 1), (90, 5), (4, 15)]:
+        ours.push(feats[done:done + n_new])
+        up.push(feats[done:done + n_new])
+        done += n_new
+        anchor = int(rng.integers(20, 1000))
+        ids, logits = ours.draft(anchor, n, return_logits=True)
+        exp = up.draft(anchor, MASK_ID, n)
+        lim = tol[0] + tol[1] * np.abs(exp).max()
+        assert np.abs(logits - exp).max() < lim
+        top2 = np.sort(exp, axis=1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * lim
+        assert (np.asarray(ids)[clear] == exp.argmax(1)[clear]).all()
+        compared += int(clear.sum())
+    assert compared >= 30  # the comparison actually covered most slots
+    up.close()
+    ours.close()

@@ -1,0 +1,79 @@
+"""Drive upstream llama.cpp's own `dflash` graph (inside libllama) as a cross-check oracle.
+
+Following llama-cpp-python-notes §6.4: a drafter context with ctx_other = the
+target context; an embd batch injects context features, a token batch
+[anchor, mask x n] drafts, and the noise block is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+import numpy as np
+
+
+class UpstreamDrafter:
+    def __init__(self, drafter_path: str, target_model, n_ctx: int = 512, n_threads: int = 2) -> None:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ctx
+        cp.n_ubatch = n_ctx
+        cp.n_threads = cp.n_threads_batch = n_threads
+        self.tctx = llama_cpp.llama_init_from_model(target_model, cp)
+        assert self.tctx
+        self.model = llama_cpp.llama_model_load_from_file(drafter_path.encode(),
+                                                           llama_cpp.llama_model_default_params())
+        assert self.model, "upstream libllama refused the drafter GGUF"
+        dp = llama_cpp.llama_context_default_params()
+        dp.n_ctx = n_ctx
+        dp.n_batch = n_ctx
+        dp.n_ubatch = n_ctx
+        dp.n_threads = dp.n_threads_batch = n_threads
+        dp.ctx_other = self.tctx
+        # f32 cache like ours: the default f16 cache alone moves logits by ~1e-2.
+        dp.type_k = dp.type_v = llama_cpp.GGML_TYPE_F32
+        dp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = llama_cpp.llama_init_from_model(self.model, dp)
+        assert self.ctx
+        llama_cpp.llama_set_causal_attn(self.ctx, False)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_past = 0
+
+    def push(self, feats: np.ndarray) -> None:
+        n, width = feats.shape
+        b = llama_cpp.llama_batch_init(n, width, 1)
+        b.n_tokens = n
+        ctypes.memmove(b.embd, np.ascontiguousarray(feats, dtype=np.float32).ctypes.data, feats.nbytes)
+        for i in range(n):
+            b.pos[i] = self.n_past + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 0
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        llama_cpp.llama_batch_free(b)
+        assert rc == 0, rc
+        self.n_past += n
+
+    def draft(self, anchor: int, mask_id: int, n: int) -> np.ndarray:
+        b = llama_cpp.llama_batch_init(n + 1, 0, 1)
+        b.n_tokens = n + 1
+        for i in range(n + 1):
+            b.token[i] = anchor if i == 0 else mask_id
+            b.pos[i] = self.n_past + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        llama_cpp.llama_batch_free(b)
+        assert rc == 0, rc
+        out = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,)).copy()
+                        for i in range(1, n + 1)])
+        # The noise block must not stay in the drafter's cache.
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, self.n_past, -1)
+        return out
+
+    def close(self) -> None:
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+        llama_cpp.llama_free(self.tctx)
