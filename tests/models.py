@@ -56,6 +56,7 @@ class TargetSpec:
     output_type: str = "f32"     # type of a separate output head: f32 | q8_0 | q4_0
     seed: int = 0
     ctx: int = 4096
+    eos_id: int = 2
 
 
 def write_target(path: str, spec: TargetSpec) -> str:
@@ -85,7 +86,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_token_types(voc["types"])
     w.add_token_merges(voc["merges"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(spec.eos_id)
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)

@@ -39,7 +39,8 @@ class SpeculativeGenerator:
     side-by-side comparisons exact.  ``capture`` forces a feature-capture path
     ("layer_inp" or "cb_eval"); "auto" picks the one the target supports.
     ``capture_layers`` turns capture on without a drafter (HF layer ids), for
-    measuring its cost or producing training features.
+    measuring its cost or producing training features.  ``flash_attn``
+    defaults to off, like ``llama_cpp.Llama``.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class SpeculativeGenerator:
         n_gpu_layers: int = 0,
         capture: str = "auto",
         capture_layers: Sequence[int] | None = None,
+        flash_attn: bool = False,
         verbose: bool = False,
     ) -> None:
         self._model = self._ctx = self._drafter = self._capture = self._engine = None
@@ -108,6 +110,9 @@ class SpeculativeGenerator:
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
+        # Same default as llama_cpp.Llama, so plain outputs are comparable.
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         if self._capture is not None:
             lib.dflash_capture_install(self._capture, _native.ptr("void *", cparams))
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)

@@ -1,0 +1,172 @@
+"""The speculative loop: greedy output identical to plain decoding, cache invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_dflash import SpeculativeGenerator
+
+PROMPTS = [
+    "def fibonacci(n):\n    return", "The capital of France is", "Once upon a time, there was",
+    "import numpy as np\nx =", "Q: What is 2 + 2?\nA:", "<|im_start|>user\nHello!<|im_end|>\n",
+    "In the beginning", "SELECT * FROM users WHERE", "for i in range(10):", "The quick brown fox",
+    "Dear Sir or Madam,", "class Stack:\n    def push(self, x):", "# TODO: fix the", "It was a dark and",
+    "print('hello", "My favourite colour is", "1, 2, 3, 4,", "The results show that", "if __name__ ==",
+    "Translate to French: cheese",
+]
+N_TOKENS = 64
+DRAFT_LENS = [1, 3, 7, 15]
+# A divergence is acceptable only where plain decoding's top-1/top-2 logit margin
+# is below EPS: batched verification and single-token decoding round differently.
+EPS = 0.05
+
+
+class Oracle:
+    """Replays the plain greedy trajectory, corrupting one draft position per step.
+
+    The corrupted position cycles through 0..n (n = no corruption), so every
+    rejection position is exercised; `expected` records the acceptance each
+    step must produce.
+    """
+
+    def __init__(self, prompt: list[int], plain: list[int], vocab: int, offset: int = 0) -> None:
+        self.seq = prompt + plain
+        self.vocab = vocab
+        self.step = offset
+        self.expected: list[int] = []
+
+    def __call__(self, history, n):
+        h = len(history)  # after a (near-tie) divergence the replay is just wrong drafts
+        prop = list(self.seq[h:h + n])
+        bad = self.step % (n + 1)
+        self.step += 1
+        if bad < len(prop):
+            prop[bad] = (prop[bad] + 1) % self.vocab
+        self.expected.append(min(bad, len(prop)))
+        return prop
+
+
+def first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_same(plain, spec, label, report):
+    i = first_divergence(plain.tokens, spec.tokens)
+    if i is None:
+        return
+    m = plain.margins[i]
+    report.append(f"{label}: divergence at token {i}, plain margin {m:.4f}")
+    assert m < EPS, f"{label}: outputs differ at token {i} with plain margin {m:.4f} (not a near-tie)"
+
+
+def invariant_checker(n, records):
+    def on_step(s):
+        records.append(s)
+        assert 0 <= s["accepted"] <= s["drafted"] <= n
+        assert 1 <= s["accepted"] + 1 <= n + 1
+        # everything before the anchor is in both caches, nothing else
+        assert s["target_len"] == s["committed"] - 1
+        assert s["drafter_len"] == s["committed"] - 1
+    return on_step
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_greedy_identity_dflash_and_oracle(artifacts, name, capsys):
+    a = artifacts[name]
+    g = SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=2)
+    assert g.capture_mode == ("layer_inp" if name == "llama" else "cb_eval")
+    prompts = PROMPTS
+    report: list[str] = []
+    steps_total = 0
+    seen: dict[int, set[int]] = {n: set() for n in DRAFT_LENS}
+    for pi, p in enumerate(prompts):
+        toks = g.tokenize(p)
+        plain = g.generate(toks, N_TOKENS, draft_len=0, stop_on_eos=False, return_margins=True)
+        assert len(plain.tokens) == N_TOKENS and plain.stats.steps == N_TOKENS - 1
+        for n in DRAFT_LENS:
+            recs: list[dict] = []
+            spec = g.generate(toks, N_TOKENS, draft_len=n, stop_on_eos=False, return_margins=True,
+                              on_step=invariant_checker(n, recs))
+            check_same(plain, spec, f"{name} dflash n={n} {p!r}", report)
+            st = spec.stats
+            assert st.steps == len(recs) and 1.0 <= st.tau <= n + 1
+            assert st.accepted <= st.drafted
+            steps_total += st.steps
+
+            oracle = Oracle(toks, plain.tokens, g.n_vocab, offset=5 * pi)
+            recs = []
+            spec = g.generate(toks, N_TOKENS, draft_len=n, stop_on_eos=False, return_margins=True,
+                              draft_source=oracle, on_step=invariant_checker(n, recs))
+            check_same(plain, spec, f"{name} oracle n={n} {p!r}", report)
+            if spec.tokens == plain.tokens:
+                # every step accepted exactly up to the corrupted position
+                called = [r for r in recs if r["drafted"] > 0]  # the budget cuts the last steps' drafts
+                assert [r["accepted"] for r in called] == oracle.expected
+                assert spec.stats.accepted == sum(oracle.expected)
+                seen[n] |= {e for e, r in zip(oracle.expected, called) if e < r["drafted"]}
+    for n in DRAFT_LENS:
+        assert seen[n] == set(range(n)), f"n={n}: rejection positions exercised: {sorted(seen[n])}"
+    with capsys.disabled():
+        print(f"\n[{name}] {len(prompts)} prompts x {N_TOKENS} tokens x n={DRAFT_LENS}: "
+              f"{len(report)} near-tie divergences" + "".join(f"\n  {r}" for r in report))
+    assert steps_total > 0
+    g.close()
+
+
+def test_plain_same_path_matches_llama_cpp(artifacts):
+    """draft_len=0 is ordinary greedy decoding: the same tokens as llama_cpp.Llama."""
+    import llama_cpp
+
+    a = artifacts["qwen3"]
+    g = SpeculativeGenerator(a["target"], n_ctx=512, n_threads=2)
+    ref = llama_cpp.Llama(a["target"], n_ctx=512, n_threads=2, verbose=False)
+    for p in PROMPTS[:5]:
+        toks = g.tokenize(p)
+        ours = g.generate(toks, 32, stop_on_eos=False)
+        theirs = []
+        for t in ref.generate(toks, temp=0.0, reset=True):
+            theirs.append(t)
+            if len(theirs) == 32:
+                break
+        assert ours.tokens == theirs
+        assert ours.stats.drafter == "none" and ours.stats.drafted == 0
+    g.close()
+
+
+def test_max_tokens_is_exact(artifacts):
+    a = artifacts["llama"]
+    g = SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, n_threads=2)
+    toks = g.tokenize(PROMPTS[0])
+    plain = g.generate(toks, 40, draft_len=0, stop_on_eos=False)
+    perfect = lambda h, n: (toks + plain.tokens)[len(h):len(h) + n]  # noqa: E731
+    for max_tokens in (1, 2, 3, 17):
+        r = g.generate(toks, max_tokens, draft_len=7, stop_on_eos=False, draft_source=perfect)
+        assert r.tokens == plain.tokens[:max_tokens]
+        assert r.stats.stop_reason == "max_tokens"
+        assert r.stats.drafted <= max_tokens - 1  # drafts never run past the budget
+    g.close()
+
+
+def test_stops_at_eos_inside_an_accepted_run(artifacts, tmp_path):
+    from dataclasses import replace
+
+    from models import write_target
+
+    a = artifacts["llama"]
+    g = SpeculativeGenerator(a["target"], n_ctx=256, n_threads=2)
+    toks = g.tokenize(PROMPTS[3])
+    plain = g.generate(toks, 40, stop_on_eos=False).tokens
+    g.close()
+    k = next(i for i in range(4, 40) if plain[i] not in plain[:i])
+    # Same weights, but the token plain decoding emits at index k is the EOS.
+    path = write_target(str(tmp_path / "eos.gguf"), replace(a["spec"], eos_id=plain[k]))
+    g = SpeculativeGenerator(path, a["drafter"], n_ctx=256, n_threads=2)
+    perfect = lambda h, n: (toks + plain)[len(h):len(h) + n]  # noqa: E731
+    for src in (None, perfect):
+        r = g.generate(toks, 40, draft_len=15, draft_source=src)
+        assert r.tokens == plain[:k + 1]
+        assert r.stats.stop_reason == "eos"
+    g.close()
