@@ -164,6 +164,11 @@ void dflash_engine_free(dflash_engine * e);
 void dflash_engine_set_draft_fn(dflash_engine * e, dflash_draft_fn fn, void * user_data);
 void dflash_engine_set_step_fn(dflash_engine * e, dflash_step_fn fn, void * user_data);
 
+/* Run the target over tokens (from position 0, clearing its cache) and write
+ * the captured features, [n][row width], into out.  Needs a capture. */
+int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_t n, float * out,
+                               char * err, size_t err_len);
+
 /* Generate greedily.  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus
  * top-2 logit at the row that produced it.  Returns tokens generated or < 0. */

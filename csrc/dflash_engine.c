@@ -50,18 +50,19 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
                           dflash_capture_row_width(c), info.n_taps, info.n_embd);
             return NULL;
         }
-        if (info.n_ctx < (int32_t) llama_n_ctx(tctx)) {
-            dflash_seterr(err, err_len, "drafter cache (%d) is smaller than the target context (%u)", info.n_ctx,
-                          llama_n_ctx(tctx));
-            return NULL;
-        }
     }
     struct dflash_engine * e = calloc(1, sizeof(*e));
     e->ctx = tctx;
     e->model = llama_get_model(tctx);
     e->vocab = llama_model_get_vocab(e->model);
     e->n_vocab = llama_vocab_n_tokens(e->vocab);
+    // llama.cpp may round n_ctx up; the usable context is what both caches hold.
     e->n_ctx = (int32_t) llama_n_ctx(tctx);
+    if (d) {
+        struct dflash_drafter_info info;
+        dflash_drafter_get_info(d, &info);
+        if (info.n_ctx < e->n_ctx) e->n_ctx = info.n_ctx;
+    }
     e->n_batch = (int32_t) llama_n_batch(tctx);
     e->drafter = d;
     e->capture = c;
@@ -136,6 +137,38 @@ static int32_t decode(struct dflash_engine * e, const int32_t * tokens, int32_t 
     return 0;
 }
 
+static bool check_tokens(const struct dflash_engine * e, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
+    for (int32_t i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= e->n_vocab) {
+            dflash_seterr(err, err_len, "token %d at index %d is outside the vocabulary (%d)", tokens[i], i, e->n_vocab);
+            return false;
+        }
+    }
+    return true;
+}
+
+int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_t n, float * out, char * err,
+                               size_t err_len) {
+    if (!e->capture) {
+        dflash_seterr(err, err_len, "no feature capture on this target");
+        return -1;
+    }
+    if (n < 1 || n > e->n_ctx) {
+        dflash_seterr(err, err_len, "need 1..%d tokens (got %d)", e->n_ctx, n);
+        return -1;
+    }
+    if (!check_tokens(e, tokens, n, err, err_len)) return -1;
+    const size_t width = (size_t) dflash_capture_row_width(e->capture);
+    llama_memory_clear(llama_get_memory(e->ctx), true);
+    for (int32_t p = 0; p < n; p += e->n_batch) {
+        const int32_t m = n - p < e->n_batch ? n - p : e->n_batch;
+        const float * feats = NULL;
+        if (decode(e, tokens + p, m, p, m, &feats, err, err_len) != 0) return -1;
+        memcpy(out + (size_t) p * width, feats, sizeof(float) * (size_t) m * width);
+    }
+    return 0;
+}
+
 static int32_t target_len(const struct dflash_engine * e) {
     return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
 }
@@ -180,13 +213,7 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                       e->n_ctx);
         return -1;
     }
-    for (int32_t i = 0; i < n_prompt; i++) {
-        if (prompt[i] < 0 || prompt[i] >= e->n_vocab) {
-            dflash_seterr(err, err_len, "prompt token %d at index %d is outside the vocabulary (%d)", prompt[i], i,
-                          e->n_vocab);
-            return -1;
-        }
-    }
+    if (!check_tokens(e, prompt, n_prompt, err, err_len)) return -1;
     const int32_t need = n_prompt + max_tokens;
     if (need > e->history_cap) {
         int32_t * h = realloc(e->history, sizeof(int32_t) * need);

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llama_cpp
+import numpy as np
 from llama_cpp import _logger
 
 from . import _native
@@ -193,7 +194,9 @@ class SpeculativeGenerator:
         if draft_source is not None:
             def _draft(_ud, hist, n_hist, n, out):
                 try:
-                    prop = list(draft_source(ffi.unpack(hist, n_hist), n))[:n]
+                    prop = list(draft_source(ffi.unpack(hist, n_hist), n))
+                    if len(prop) > n:
+                        raise DFlashError(f"draft source returned {len(prop)} tokens (asked for at most {n})")
                     for i, t in enumerate(prop):
                         out[i] = int(t)
                     return len(prop)
@@ -235,6 +238,20 @@ class SpeculativeGenerator:
         stats = SpecStats.from_c(st, draft_len, kind)
         return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats,
                                 margins=list(margins[0:n]) if return_margins else None)
+
+    def features(self, tokens: Sequence[int]) -> np.ndarray:
+        """Target features of `tokens` (decoded from position 0): [n, n_taps * n_embd] float32."""
+        if self._capture is None:
+            raise DFlashError("no capture: load a drafter or pass capture_layers")
+        toks = [int(t) for t in tokens]
+        width = lib.dflash_capture_row_width(self._capture)
+        out = np.empty((len(toks), width), dtype=np.float32)
+        err = _native.err_buf()
+        arr = ffi.new("int32_t[]", toks) if toks else ffi.new("int32_t[]", 1)
+        if lib.dflash_engine_features(self._engine, arr, len(toks), ffi.from_buffer("float[]", out), err,
+                                      _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+        return out
 
     # -- lifetime ---------------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""Bad input gives a clear Python exception; the process never dies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import TargetSpec, drafter_config, write_random_drafter, write_target
+
+from llama_dflash import DFlashError, SpeculativeGenerator
+from llama_dflash.gguf_io import random_drafter_tensors, write_drafter
+
+
+@pytest.fixture(scope="module")
+def llama(artifacts):
+    return artifacts["llama"]
+
+
+def test_missing_files(llama, tmp_path):
+    with pytest.raises(FileNotFoundError, match="target model file not found"):
+        SpeculativeGenerator(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="drafter file not found"):
+        SpeculativeGenerator(llama["target"], tmp_path / "nope.gguf")
+
+
+def test_corrupt_target(tmp_path):
+    p = tmp_path / "garbage.gguf"
+    p.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(DFlashError, match="cannot load target model"):
+        SpeculativeGenerator(p)
+
+
+@pytest.mark.parametrize("cut", [10, 200, 0.5, -16])
+def test_truncated_drafter(llama, tmp_path, cut):
+    data = open(llama["drafter"], "rb").read()
+    n = int(len(data) * cut) if isinstance(cut, float) else (cut if cut > 0 else len(data) + cut)
+    p = tmp_path / "trunc.gguf"
+    p.write_bytes(data[:n])
+    with pytest.raises(DFlashError, match="truncated|not a valid GGUF"):
+        SpeculativeGenerator(llama["target"], p)
+
+
+def test_not_a_drafter(llama):
+    with pytest.raises(DFlashError, match="is a 'llama' model, not a DFlash drafter"):
+        SpeculativeGenerator(llama["target"], llama["target"])
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"selector_hidden.weight": np.zeros((16, 64), np.float32)}, "DFlash2 drafter"),
+    ({"markov_w1.weight": np.zeros((1024, 8), np.float32)}, "DSpark drafter"),
+    ({"blk.0.post_ffw_norm.weight": np.ones(64, np.float32)}, "unsupported tensor 'blk.0.post_ffw_norm.weight'"),
+])
+def test_unsupported_variants(llama, tmp_path, extra, msg):
+    cfg = drafter_config(llama["spec"])
+    t = random_drafter_tensors(cfg)
+    t.update(extra)
+    p = tmp_path / "v.gguf"
+    write_drafter(p, cfg, t, llama["target"])
+    with pytest.raises(DFlashError, match=msg):
+        SpeculativeGenerator(llama["target"], p)
+
+
+def test_missing_tensor_and_bad_shape(llama, tmp_path):
+    cfg = drafter_config(llama["spec"])
+    t = random_drafter_tensors(cfg)
+    del t["blk.1.ffn_up.weight"]
+    write_drafter(tmp_path / "a.gguf", cfg, t, llama["target"])
+    with pytest.raises(DFlashError, match="missing tensor 'blk.1.ffn_up.weight'"):
+        SpeculativeGenerator(llama["target"], tmp_path / "a.gguf")
+    t = random_drafter_tensors(cfg)
+    t["blk.0.attn_k.weight"] = np.zeros((8, 64), np.float32)
+    write_drafter(tmp_path / "b.gguf", cfg, t, llama["target"])
+    with pytest.raises(DFlashError, match="'blk.0.attn_k.weight' has shape"):
+        SpeculativeGenerator(llama["target"], tmp_path / "b.gguf")
+
+
+def test_drafter_target_mismatch(llama, tmp_path):
+    spec = llama["spec"]
+    # hidden size
+    wide = write_target(str(tmp_path / "wide.gguf"), TargetSpec(n_embd=96, n_head=4, n_head_kv=2))
+    with pytest.raises(DFlashError, match="hidden size 64 but the target has 96"):
+        SpeculativeGenerator(wide, llama["drafter"])
+    # tap beyond the target's layers
+    p = write_random_drafter(str(tmp_path / "taps.gguf"), llama["target"],
+                             drafter_config(spec, target_layer_ids=[0, 2, 9]))
+    with pytest.raises(DFlashError, match="taps target layer 9 but the target has 6 layers"):
+        SpeculativeGenerator(llama["target"], p)
+    # mask token outside the vocabulary
+    p = write_random_drafter(str(tmp_path / "mask.gguf"), llama["target"], drafter_config(spec, mask_token_id=5000))
+    with pytest.raises(DFlashError, match="mask token id 5000 outside the target vocabulary"):
+        SpeculativeGenerator(llama["target"], p)
+
+
+def test_generation_parameters(llama):
+    g = SpeculativeGenerator(llama["target"], llama["drafter"], n_ctx=64)
+    toks = g.tokenize("hello there")
+    with pytest.raises(DFlashError, match="exceeds the drafter's block"):
+        g.generate(toks, 8, draft_len=16)
+    with pytest.raises(DFlashError, match="prompt has 80 tokens but n_ctx is 64"):
+        g.generate(list(range(20, 100)), 4)
+    with pytest.raises(DFlashError, match="exceeds n_ctx"):
+        g.generate(toks, 64)
+    with pytest.raises(DFlashError, match="outside the vocabulary"):
+        g.generate([5, 99999], 4)
+    with pytest.raises(DFlashError, match="empty"):
+        g.generate([], 4)
+    with pytest.raises(ValueError):
+        g.generate(toks, 0)
+
+    def broken(history, n):
+        raise KeyError("boom")
+    with pytest.raises(KeyError, match="boom"):
+        g.generate(toks, 8, draft_source=broken)
+    with pytest.raises(DFlashError, match="draft source returned"):
+        g.generate(toks, 8, draft_len=3, draft_source=lambda h, n: [1, 2, 3, 4, 5])
+    # still fully usable afterwards
+    assert len(g.generate(toks, 8).tokens) == 8
+    g.close()
+    with pytest.raises(DFlashError, match="closed"):
+        g.generate(toks, 4)
