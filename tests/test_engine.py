@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llama_dflash import SpeculativeGenerator
+from llama_dflash.oracle import ReplayDraftSource
 
 PROMPTS = [
     "def fibonacci(n):\n    return", "The capital of France is", "Once upon a time, there was",
@@ -19,31 +20,6 @@ DRAFT_LENS = [1, 3, 7, 15]
 # A divergence is acceptable only where plain decoding's top-1/top-2 logit margin
 # is below EPS: batched verification and single-token decoding round differently.
 EPS = 0.05
-
-
-class Oracle:
-    """Replays the plain greedy trajectory, corrupting one draft position per step.
-
-    The corrupted position cycles through 0..n (n = no corruption), so every
-    rejection position is exercised; `expected` records the acceptance each
-    step must produce.
-    """
-
-    def __init__(self, prompt: list[int], plain: list[int], vocab: int, offset: int = 0) -> None:
-        self.seq = prompt + plain
-        self.vocab = vocab
-        self.step = offset
-        self.expected: list[int] = []
-
-    def __call__(self, history, n):
-        h = len(history)  # after a (near-tie) divergence the replay is just wrong drafts
-        prop = list(self.seq[h:h + n])
-        bad = self.step % (n + 1)
-        self.step += 1
-        if bad < len(prop):
-            prop[bad] = (prop[bad] + 1) % self.vocab
-        self.expected.append(min(bad, len(prop)))
-        return prop
 
 
 def first_divergence(a, b):
@@ -96,7 +72,7 @@ def test_greedy_identity_dflash_and_oracle(artifacts, name, capsys):
             assert st.accepted <= st.drafted
             steps_total += st.steps
 
-            oracle = Oracle(toks, plain.tokens, g.n_vocab, offset=5 * pi)
+            oracle = ReplayDraftSource.cycling(toks + plain.tokens, g.n_vocab, offset=5 * pi)
             recs = []
             spec = g.generate(toks, N_TOKENS, draft_len=n, stop_on_eos=False, return_margins=True,
                               draft_source=oracle, on_step=invariant_checker(n, recs))

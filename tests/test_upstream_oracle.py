@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from models import MASK_ID
-from upstream import UpstreamDrafter
+from llama_dflash.upstream import UpstreamDrafter
 
 from llama_dflash.drafter import Drafter
 

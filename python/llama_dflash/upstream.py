@@ -1,4 +1,4 @@
-"""Drive upstream llama.cpp's own `dflash` graph (inside libllama) as a cross-check oracle.
+"""Upstream llama.cpp's own `dflash` graph (inside libllama): cross-check oracle and speed baseline.
 
 Following llama-cpp-python-notes §6.4: a drafter context with ctx_other = the
 target context; an embd batch injects context features, a token batch
@@ -14,7 +14,15 @@ import numpy as np
 
 
 class UpstreamDrafter:
-    def __init__(self, drafter_path: str, target_model, n_ctx: int = 512, n_threads: int = 2) -> None:
+    """Runs a drafter GGUF through libllama's `dflash` architecture.
+
+    exact=True uses an f32 cache and no flash attention, so that its logits
+    match our graph to float rounding; exact=False keeps llama.cpp's defaults
+    (the configuration upstream users run, for speed comparisons).
+    """
+
+    def __init__(self, drafter_path: str, target_model, n_ctx: int = 512, n_threads: int = 2,
+                 exact: bool = True) -> None:
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_ctx
@@ -31,9 +39,10 @@ class UpstreamDrafter:
         dp.n_ubatch = n_ctx
         dp.n_threads = dp.n_threads_batch = n_threads
         dp.ctx_other = self.tctx
-        # f32 cache like ours: the default f16 cache alone moves logits by ~1e-2.
-        dp.type_k = dp.type_v = llama_cpp.GGML_TYPE_F32
-        dp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if exact:
+            # f32 cache like ours: the default f16 cache alone moves logits by ~1e-2.
+            dp.type_k = dp.type_v = llama_cpp.GGML_TYPE_F32
+            dp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(self.model, dp)
         assert self.ctx
         llama_cpp.llama_set_causal_attn(self.ctx, False)
@@ -55,7 +64,7 @@ class UpstreamDrafter:
         assert rc == 0, rc
         self.n_past += n
 
-    def draft(self, anchor: int, mask_id: int, n: int) -> np.ndarray:
+    def draft(self, anchor: int, mask_id: int, n: int, return_logits: bool = True) -> np.ndarray | None:
         b = llama_cpp.llama_batch_init(n + 1, 0, 1)
         b.n_tokens = n + 1
         for i in range(n + 1):
@@ -67,8 +76,10 @@ class UpstreamDrafter:
         rc = llama_cpp.llama_decode(self.ctx, b)
         llama_cpp.llama_batch_free(b)
         assert rc == 0, rc
-        out = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,)).copy()
-                        for i in range(1, n + 1)])
+        out = None
+        if return_logits:
+            out = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))
+                            .copy() for i in range(1, n + 1)])
         # The noise block must not stay in the drafter's cache.
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, self.n_past, -1)
         return out

@@ -1,0 +1,133 @@
+"""Command line: `llama-dflash generate | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .drafter import DFlashError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"llama-dflash: error: {message}\n")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-len", type=int, default=None, help="tokens drafted per step (default: block - 1)")
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _stats_json(res) -> dict:
+    s = res.stats
+    d = s.as_dict()
+    d["tokens_per_s"] = s.tokens_per_s
+    return {"text": res.text, "tokens": res.tokens, "stats": d}
+
+
+def _summary(label: str, s) -> str:
+    return (f"{label}: {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
+            f"accepted {s.accepted}/{s.drafted}, draft {s.t_draft_s * 1e3:.0f} ms, "
+            f"verify {s.t_verify_s * 1e3:.0f} ms, other {s.t_other_s * 1e3:.0f} ms")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import SpeculativeGenerator
+
+    if a.prompt_file is not None:
+        try:
+            prompt = open(a.prompt_file, encoding="utf-8").read()
+        except OSError as e:
+            raise DFlashError(f"cannot read prompt file {a.prompt_file!r}: {e.strerror}") from None
+    else:
+        prompt = a.prompt
+    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads) as g:
+        res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len)
+    if a.json:
+        print(json.dumps(_stats_json(res)))
+    else:
+        print(res.text)
+        print(_summary("speculative" if a.drafter else "plain", res.stats), file=sys.stderr)
+    return 0
+
+
+DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
+               "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """The README's main job: plain vs speculative on the embedded default model."""
+    from .engine import SpeculativeGenerator
+    from .models import default_target, shipped_drafter
+
+    target = default_target()
+    drafter = shipped_drafter()
+    trained = drafter is not None
+    if drafter is None:
+        from .gguf_io import DrafterConfig, random_drafter_tensors, write_drafter
+        from .models import cache_dir
+
+        drafter = cache_dir() / "smollm2-135m-dflash-untrained.gguf"
+        if not drafter.is_file():
+            cfg = DrafterConfig(n_embd=576, n_layer=2, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
+                                target_layer_ids=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,
+                                rope_theta=100000.0, rms_eps=1e-5)
+            write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
+    with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads) as g:
+        toks = g.tokenize(DEMO_PROMPT)
+        g.generate(toks, 8, draft_len=0)  # warm-up
+        plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False)
+        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False)
+    same = plain.tokens == spec.tokens
+    if a.json:
+        print(json.dumps({"target": str(target), "drafter": str(drafter), "trained_drafter": trained,
+                          "identical": same, "plain": _stats_json(plain), "speculative": _stats_json(spec)}))
+        return 0
+    print(f"target : {target}")
+    print(f"drafter: {drafter}" + ("" if trained else "  (untrained random weights: no trained drafter "
+                                                      "ships yet, so expect tau ~ 1 and no speedup)"))
+    print(spec.text)
+    print(_summary("plain      ", plain.stats))
+    print(_summary("speculative", spec.stats))
+    print(f"speedup {spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9):.2f}x, "
+          f"greedy outputs identical: {same}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="llama-dflash", description="DFlash speculative decoding for llama.cpp GGUF models")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate from a prompt")
+    g.add_argument("--model", required=True, help="target GGUF")
+    g.add_argument("--drafter", default=None, help="DFlash drafter GGUF (omit for plain decoding)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    _add_common(g)
+    g.set_defaults(func=cmd_generate)
+    d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
+    _add_common(d)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except (DFlashError, FileNotFoundError, ValueError) as e:
+        print(f"llama-dflash: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
