@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
 def _stats_json(res) -> dict:
@@ -48,7 +50,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise DFlashError(f"cannot read prompt file {a.prompt_file!r}: {e.strerror}") from None
     else:
         prompt = a.prompt
-    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads) as g:
+    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
         res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len)
     if a.json:
         print(json.dumps(_stats_json(res)))
@@ -80,7 +82,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
                                 target_layer_ids=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,
                                 rope_theta=100000.0, rms_eps=1e-5)
             write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
-    with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads) as g:
+    with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
         plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False)
@@ -120,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    # Errors are reported by us, in one line; llama.cpp's log only on request.
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if a.verbose else logging.CRITICAL + 1)
     try:
         return a.func(a)
     except (DFlashError, FileNotFoundError, ValueError) as e:

@@ -56,7 +56,7 @@ class SpeculativeGenerator:
         capture: str = "auto",
         capture_layers: Sequence[int] | None = None,
         flash_attn: bool = False,
-        verbose: bool = False,
+        verbose: bool | None = False,
     ) -> None:
         self._model = self._ctx = self._drafter = self._capture = self._engine = None
         if capture not in _CAPTURE_MODES:
@@ -68,7 +68,8 @@ class SpeculativeGenerator:
         model_b = check_file(model_path, "target model")
         if drafter_path is not None:
             check_file(drafter_path, "drafter")
-        _logger.set_verbose(verbose)
+        if verbose is not None:  # None: leave llama.cpp's log level as the caller set it
+            _logger.set_verbose(verbose)
         llama_cpp.llama_backend_init()
 
         mparams = llama_cpp.llama_model_default_params()

@@ -1,0 +1,59 @@
+"""`llama-dflash generate`: JSON output, plain path, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_json(artifacts, tmp_path):
+    a = artifacts["llama"]
+    pf = tmp_path / "p.txt"
+    pf.write_text("The capital of France is")
+    spec = run("generate", "--model", a["target"], "--drafter", a["drafter"], "--prompt-file", str(pf),
+               "--max-tokens", "24", "--draft-len", "7", "--n-ctx", "256", "--threads", "2", "--json")
+    assert spec.returncode == 0, spec.stderr
+    out = json.loads(spec.stdout)
+    assert set(out) >= {"text", "tokens", "stats"}
+    st = out["stats"]
+    for k in ("steps", "drafted", "accepted", "tau", "per_position", "t_draft_s", "t_verify_s", "t_total_s",
+              "tokens_per_s"):
+        assert k in st
+    assert len(out["tokens"]) == 24 and st["drafted"] > 0 and 1 <= st["tau"] <= 8
+    plain = run("generate", "--model", a["target"], "--prompt", "The capital of France is", "--max-tokens", "24",
+                "--n-ctx", "256", "--json")
+    assert plain.returncode == 0, plain.stderr
+    p = json.loads(plain.stdout)
+    assert p["stats"]["drafted"] == 0 and p["stats"]["steps"] == 23
+    assert p["tokens"] == out["tokens"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--model", "/nonexistent.gguf", "--prompt", "x"], "target model file not found"),
+    (["generate", "--model", "{target}", "--drafter", "{target}", "--prompt", "x"], "not a DFlash drafter"),
+    (["generate", "--model", "{target}", "--drafter", "{drafter}", "--prompt", "x", "--draft-len", "40"],
+     "exceeds the drafter's block"),
+    (["generate", "--model", "{target}", "--prompt-file", "/nonexistent.txt"], "cannot read prompt file"),
+    (["generate", "--model", "{target}", "--drafter", "{truncated}", "--prompt", "x"], "truncated"),
+    (["generate", "--model", "{target}", "--prompt", "x " * 300, "--n-ctx", "256"], "but n_ctx is 256"),
+    (["generate", "--model", "{target}"], "one of the arguments --prompt --prompt-file is required"),
+    (["generate", "--model", "{target}", "--prompt", "x", "--max-tokens", "zero"], "invalid int value"),
+])
+def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
+    a = artifacts["llama"]
+    trunc = tmp_path / "t.gguf"
+    trunc.write_bytes(open(a["drafter"], "rb").read()[:5000])
+    args = [x.format(target=a["target"], drafter=a["drafter"], truncated=trunc) for x in args]
+    r = run(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llama-dflash: error:") and msg in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
