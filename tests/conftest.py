@@ -11,9 +11,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger  # noqa: E402
-from models import TargetSpec, drafter_config, write_random_drafter, write_target  # noqa: E402
 
 from llama_dflash import _native  # noqa: E402,F401
+
+from models import TargetSpec, drafter_config, write_random_drafter, write_target  # noqa: E402
 
 _logger.set_verbose(False)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from models import MASK_ID, drafter_config, write_random_drafter
 
 from llama_dflash.drafter import Drafter
 from llama_dflash.gguf_io import read_tensors
 from llama_dflash.reference import DFlashReference
+
+from models import MASK_ID, drafter_config, write_random_drafter
 
 # Tolerances as (absolute, relative to the largest |logit| of the step).
 # f32 weights and head: the graph and the reference differ only by summation order.

@@ -23,7 +23,7 @@ EPS = 0.05
 
 
 def first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -82,7 +82,7 @@ def test_greedy_identity_dflash_and_oracle(artifacts, name, capsys):
                 called = [r for r in recs if r["drafted"] > 0]  # the budget cuts the last steps' drafts
                 assert [r["accepted"] for r in called] == oracle.expected
                 assert spec.stats.accepted == sum(oracle.expected)
-                seen[n] |= {e for e, r in zip(oracle.expected, called) if e < r["drafted"]}
+                seen[n] |= {e for e, r in zip(oracle.expected, called, strict=True) if e < r["drafted"]}
     for n in DRAFT_LENS:
         assert seen[n] == set(range(n)), f"n={n}: rejection positions exercised: {sorted(seen[n])}"
     with capsys.disabled():

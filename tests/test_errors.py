@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import TargetSpec, drafter_config, write_random_drafter, write_target
 
 from llama_dflash import DFlashError, SpeculativeGenerator
 from llama_dflash.gguf_io import random_drafter_tensors, write_drafter
+
+from models import TargetSpec, drafter_config, write_random_drafter, write_target
 
 
 @pytest.fixture(scope="module")

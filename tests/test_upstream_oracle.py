@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import MASK_ID
-from llama_dflash.upstream import UpstreamDrafter
 
 from llama_dflash.drafter import Drafter
+from llama_dflash.upstream import UpstreamDrafter
+
+from models import MASK_ID
 
 # Upstream runs with an f32 cache and without flash attention (tests/upstream.py):
 # then both graphs perform the same operations and agree to float rounding.

@@ -125,8 +125,8 @@ class SpeculativeGenerator:
         if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
             self.close()
             raise DFlashError(_native.err_str(err))
-        e = lib.dflash_engine_new(ctx_c, self._drafter.handle if self._drafter else ffi.NULL, self._capture or ffi.NULL, err,
-                                  _native.ERR_LEN)
+        d_c = self._drafter.handle if self._drafter else ffi.NULL
+        e = lib.dflash_engine_new(ctx_c, d_c, self._capture or ffi.NULL, err, _native.ERR_LEN)
         if e == ffi.NULL:
             self.close()
             raise DFlashError(_native.err_str(err))

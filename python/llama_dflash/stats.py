@@ -60,7 +60,7 @@ class SpecStats:
             steps=st.steps,
             drafted=st.drafted,
             accepted=st.accepted,
-            per_position=[a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            per_position=[a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
             per_position_drafted=drafted,
             per_position_accepted=accepted,
             t_prefill_s=st.t_prefill_s,

