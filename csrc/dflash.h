@@ -72,6 +72,17 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
 void dflash_drafter_free(dflash_drafter * d);
 void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out);
 
+/* Bytes the drafter allocated itself (the borrowed embedding/head excluded). */
+struct dflash_drafter_memory {
+    size_t weights;
+    size_t cache;
+    size_t compute;
+    size_t borrowed;          /* size of the target tensors it uses in place */
+    bool   borrows_embedding; /* token embedding is the target's tensor */
+    bool   borrows_head;      /* output head is the target's tensor */
+};
+void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_memory * out);
+
 /* Forget all context (new sequence). */
 void    dflash_drafter_reset(dflash_drafter * d);
 /* Truncate the context cache to its first n positions. */

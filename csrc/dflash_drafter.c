@@ -46,6 +46,7 @@ struct dflash_drafter {
     struct dflash_layer layers[DFLASH_MAX_LAYERS];
     struct ggml_tensor * tok_embd; // borrowed from the target unless the file has one
     struct ggml_tensor * head;     // idem
+    bool own_embd, own_head;
 
     ggml_backend_t backends[2];
     int n_backends;
@@ -705,6 +706,8 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         d->out_norm = DUP(m_on);
         if (m_te) d->tok_embd = DUP(m_te);
         if (m_out) d->head = DUP(m_out);
+        d->own_embd = m_te != NULL;
+        d->own_head = m_out != NULL;
         for (int il = 0; il < hp->n_layer; il++) {
             struct dflash_layer * L = &d->layers[il];
             struct ggml_tensor ** slots[11] = { &L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->q_norm,
@@ -775,6 +778,17 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
 
 void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out) {
     *out = d->hp;
+}
+
+void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_memory * out) {
+    memset(out, 0, sizeof(*out));
+    out->weights = d->buf_w ? ggml_backend_buffer_get_size(d->buf_w) : 0;
+    out->cache = d->buf_kv ? ggml_backend_buffer_get_size(d->buf_kv) : 0;
+    for (int i = 0; i < d->n_backends; i++) out->compute += ggml_backend_sched_get_buffer_size(d->sched, d->backends[i]);
+    out->borrows_embedding = !d->own_embd;
+    out->borrows_head = !d->own_head;
+    if (!d->own_embd) out->borrowed += ggml_nbytes(d->tok_embd);
+    if (!d->own_head && d->head != d->tok_embd) out->borrowed += ggml_nbytes(d->head);
 }
 
 void dflash_drafter_reset(dflash_drafter * d) {

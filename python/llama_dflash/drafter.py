@@ -71,6 +71,13 @@ class Drafter:
             embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
         )
 
+    def memory(self) -> dict:
+        """Bytes allocated by the drafter (weights, cache, compute) and borrowed from the target."""
+        m = ffi.new("struct dflash_drafter_memory *")
+        lib.dflash_drafter_get_memory(self._d, m)
+        return {"weights": m.weights, "cache": m.cache, "compute": m.compute, "borrowed": m.borrowed,
+                "borrows_embedding": bool(m.borrows_embedding), "borrows_head": bool(m.borrows_head)}
+
     @property
     def handle(self):
         return self._d
