@@ -282,13 +282,19 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
     ggml_set_input(G->tokens);
     G->block_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
     ggml_set_input(G->block_pos);
-    if (hp->causal || (hp->n_swa > 0 && hp->swa_layers != 0)) {
+    // Masks only for the layer kinds that exist: an input no node reads is never
+    // allocated, and setting it would abort.
+    bool any_full = false, any_swa = false;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u)) any_swa = true; else any_full = true;
+    }
+    if (hp->causal && any_full) {
         G->mask_full = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
         ggml_set_input(G->mask_full);
-        if (hp->n_swa > 0 && hp->swa_layers != 0) {
-            G->mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
-            ggml_set_input(G->mask_swa);
-        }
+    }
+    if (any_swa) {
+        G->mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
+        ggml_set_input(G->mask_swa);
     }
 
     struct ggml_tensor * h = ggml_get_rows(ctx, d->tok_embd, G->tokens);
@@ -392,10 +398,12 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         ggml_backend_tensor_set(G.tokens, buf, 0, sizeof(int32_t) * n_block);
         ggml_backend_tensor_set(G.block_pos, buf + n_block, 0, sizeof(int32_t) * n_block);
         free(buf);
-        if (G.mask_full) {
+        if (G.mask_full || G.mask_swa) {
             float * m = malloc(sizeof(float) * (size_t) G.n_kv * n_block);
-            fill_mask(m, G.n_kv, n_block, a, hp->causal, 0);
-            ggml_backend_tensor_set(G.mask_full, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+            if (G.mask_full) {
+                fill_mask(m, G.n_kv, n_block, a, hp->causal, 0);
+                ggml_backend_tensor_set(G.mask_full, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+            }
             if (G.mask_swa) {
                 fill_mask(m, G.n_kv, n_block, a, hp->causal, hp->n_swa);
                 ggml_backend_tensor_set(G.mask_swa, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);

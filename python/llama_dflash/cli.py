@@ -103,6 +103,59 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .convert import convert_hf_to_gguf
+
+    res = convert_hf_to_gguf(a.hf_dir, a.target, a.outfile, outtype=a.outtype, progress=True)
+    print(f"wrote {res['outfile']}: DFlash{'2' if res['version'] == 2 else ''} drafter, {res['tensors']} tensors, "
+          f"{res['bytes'] / 2**20:.1f} MiB ({res['outtype']})")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from .convert import describe
+
+    info = describe(a.file)
+    fit = None
+    if a.target:
+        fit = _check_fit(a.file, a.target)
+    if a.json:
+        print(json.dumps({**info, "fits_target": fit}))
+        return 0
+    print(f"{info['file']}: DFlash{'2' if info['version'] == 2 else ''} drafter, {info['bytes'] / 2**20:.1f} MiB")
+    print(f"  block size {info['block_size']}, taps {info['target_layers']} (HF ids), mask token "
+          f"{info['mask_token_id']}")
+    print(f"  {info['n_layer']} layers, hidden {info['n_embd']}, heads {info['n_head']}/{info['n_head_kv']} x "
+          f"{info['head_dim']}, ffn {info['n_ff']}, causal {info['causal']}, sliding window {info['sliding_window']}")
+    if info["dflash2"]:
+        print("  DFlash2: " + ", ".join(f"{k} {v}" for k, v in info["dflash2"].items()))
+    print(f"  {info['n_tensors']} tensors: " + ", ".join(f"{n} {k}" for k, n in info["types"].items()))
+    for name, shape, typ in info["tensors"]:
+        print(f"    {name:40s} {str(shape):24s} {typ}")
+    if fit is not None:
+        print(f"target {a.target}: " + ("fits" if fit["ok"] else f"does not fit: {fit['error']}"))
+    return 0
+
+
+def _check_fit(drafter: str, target: str) -> dict:
+    """Load both with the runtime's own validation (no context needed)."""
+    import llama_cpp
+
+    from .drafter import Drafter, check_file
+
+    check_file(target, "target model")
+    model = llama_cpp.llama_model_load_from_file(target.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise DFlashError(f"cannot load target model {target!r}")
+    try:
+        Drafter(drafter, model, n_ctx=64, n_threads=1).close()
+        return {"ok": True, "error": None}
+    except DFlashError as e:
+        return {"ok": False, "error": str(e)}
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="llama-dflash", description="DFlash speculative decoding for llama.cpp GGUF models")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -117,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)
     d.set_defaults(func=cmd_demo)
+    c = sub.add_parser("convert", help="HF DFlash/DFlash2 checkpoint -> GGUF drafter")
+    c.add_argument("hf_dir")
+    c.add_argument("--target", required=True, help="the target model's GGUF (vocabulary, sizes)")
+    c.add_argument("--outfile", required=True)
+    c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    c.add_argument("--verbose", action="store_true")
+    c.set_defaults(func=cmd_convert)
+    i = sub.add_parser("inspect", help="describe a drafter GGUF (and whether it fits a target)")
+    i.add_argument("file")
+    i.add_argument("--target", default=None)
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--verbose", action="store_true")
+    i.set_defaults(func=cmd_inspect)
     return p
 
 
@@ -126,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if a.verbose else logging.CRITICAL + 1)
     try:
         return a.func(a)
-    except (DFlashError, FileNotFoundError, ValueError) as e:
+    except (DFlashError, OSError, ValueError) as e:  # ConvertError is a ValueError
         print(f"llama-dflash: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,10 +9,11 @@ id; ``dflash.target_layers`` stores HF layer ids + 1.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 ARCH = "dflash"
@@ -21,8 +22,9 @@ LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
     "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
 )
-# 1-D tensors (norms) always stay f32.
-_NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "enc.output_norm", "output_norm")
+# Kept in f32 whatever the output type: norms, DFlash2 conv bases and selector codebooks.
+_KEEP_F32 = ("attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "enc.output_norm", "output_norm",
+             "attn_conv_base", "ffn_conv_base", "selector_predecessor", "selector_successor")
 
 _OUTTYPES = {
     "f32": GGMLQuantizationType.F32,
@@ -55,6 +57,17 @@ class DrafterConfig:
     logit_scale: float = 1.0
     softcap: float = 0.0
     context_length: int = 32768
+    # DFlash2 (0 = absent)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    # drafts for M-RoPE targets carry degenerate sections [head_dim/2, 0, 0, 0]
+    rope_sections: list[int] = field(default_factory=list)
+
+    @property
+    def is_v2(self) -> bool:
+        return self.selector_top_k > 0
 
 
 def _field_value(f):
@@ -71,24 +84,57 @@ def copy_tokenizer(src: GGUFReader, writer: GGUFWriter) -> None:
         writer.add_key_value(name, _field_value(f), vtype, sub_type=sub)
 
 
-def _tensor_type(name: str, outtype: str) -> GGMLQuantizationType:
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
+    """GGML type of a tensor for an output type: float for the kept tensors and 1-D ones,
+    f16 where a quantized type's block does not divide the row."""
     base = name.removesuffix(".weight")
-    if any(base == n or base.endswith("." + n) for n in _NORMS):
+    if len(shape) < 2 or any(base == n or base.endswith("." + n) for n in _KEEP_F32):
         return GGMLQuantizationType.F32
-    return _OUTTYPES[outtype]
+    qt = _OUTTYPES[outtype]
+    block = GGML_QUANT_SIZES[qt][0]
+    if shape[-1] % block != 0:
+        return GGMLQuantizationType.F16
+    return qt
+
+
+def _encode(arr: np.ndarray, qt: GGMLQuantizationType) -> np.ndarray:
+    a = np.ascontiguousarray(arr, dtype=np.float32)
+    if qt == GGMLQuantizationType.F32:
+        return a
+    if qt == GGMLQuantizationType.F16:
+        return a.astype(np.float16)
+    return quantize(a, qt)
+
+
+@dataclass
+class TensorSource:
+    """A tensor to write: GGUF name, PyTorch-order shape, and a loader returning float32 data."""
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], np.ndarray]
 
 
 def write_drafter(
     path: str | os.PathLike,
     cfg: DrafterConfig,
-    tensors: dict[str, np.ndarray],
-    target_gguf: str | os.PathLike,
+    tensors: Mapping[str, np.ndarray] | Iterable[TensorSource],
+    target_gguf: str | os.PathLike | GGUFReader,
     outtype: str = "f32",
-) -> None:
-    """Write a drafter GGUF.  tensors: GGUF names -> arrays in PyTorch [out, in] order."""
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Write a drafter GGUF; returns the number of tensors.
+
+    tensors: GGUF names -> arrays in PyTorch [out, in] order, or TensorSources,
+    which are loaded one at a time (peak memory ~ the largest tensor).
+    progress(bytes_done, bytes_total) is called after each tensor.
+    """
     if outtype not in _OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(_OUTTYPES)}, got {outtype!r}")
-    src = GGUFReader(os.fspath(target_gguf))
+    if isinstance(tensors, Mapping):
+        tensors = [TensorSource(k, tuple(v.shape), (lambda v=v: v)) for k, v in tensors.items()]
+    srcs = list(tensors)
+    src = target_gguf if isinstance(target_gguf, GGUFReader) else GGUFReader(os.fspath(target_gguf))
     w = GGUFWriter(os.fspath(path), ARCH)
     w.add_block_count(cfg.n_layer)
     w.add_context_length(cfg.context_length)
@@ -100,8 +146,15 @@ def write_drafter(
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_sections:
+        w.add_array(f"{ARCH}.rope.dimension_sections", [int(x) for x in cfg.rope_sections])
     w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
     w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
+    if cfg.is_v2:
+        w.add_uint32(f"{ARCH}.conv_kernel_size", cfg.conv_kernel_size)
+        w.add_uint32(f"{ARCH}.conv_group_size", cfg.conv_group_size)
+        w.add_uint32(f"{ARCH}.selector_rank", cfg.selector_rank)
+        w.add_uint32(f"{ARCH}.selector_top_k", cfg.selector_top_k)
     if cfg.causal:
         w.add_bool(f"{ARCH}.attention.causal", True)
     if cfg.sliding_window > 0:
@@ -116,19 +169,30 @@ def write_drafter(
         w.add_float32(f"{ARCH}.final_logit_softcapping", cfg.softcap)
     copy_tokenizer(src, w)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
-    for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr, dtype=np.float32)
-        qt = _tensor_type(name, outtype) if a.ndim > 1 else GGMLQuantizationType.F32
-        if qt == GGMLQuantizationType.F32:
-            w.add_tensor(name, a)
-        elif qt == GGMLQuantizationType.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            w.add_tensor(name, quantize(a, qt), raw_dtype=qt)
+
+    types = [tensor_type(t.name, t.shape, outtype) for t in srcs]
+    total = 0
+    for t, qt in zip(srcs, types, strict=True):
+        block, size = GGML_QUANT_SIZES[qt]
+        nbytes = int(np.prod(t.shape)) // block * size
+        byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
+        dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(qt, np.uint8)
+        w.add_tensor_info(t.name, byte_shape if dtype is np.uint8 else t.shape, np.dtype(dtype), nbytes,
+                          raw_dtype=qt)
+        total += nbytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    done = 0
+    for t, qt in zip(srcs, types, strict=True):
+        data = _encode(t.load(), qt)
+        w.write_tensor_data(data)
+        done += data.nbytes
+        del data
+        if progress:
+            progress(done, total)
     w.close()
+    return len(srcs)
 
 
 def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -172,6 +236,11 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
         logit_scale=float(get(f"{ARCH}.logit_scale", 1.0)),
         softcap=float(get(f"{ARCH}.final_logit_softcapping", 0.0)),
         context_length=int(get(f"{ARCH}.context_length", 32768)),
+        conv_kernel_size=int(get(f"{ARCH}.conv_kernel_size", 0)),
+        conv_group_size=int(get(f"{ARCH}.conv_group_size", 0)),
+        selector_rank=int(get(f"{ARCH}.selector_rank", 0)),
+        selector_top_k=int(get(f"{ARCH}.selector_top_k", 0)),
+        rope_sections=[int(x) for x in get(f"{ARCH}.rope.dimension_sections", [])],
     )
 
 

@@ -164,3 +164,14 @@ def gguf_to_hf(tensors: dict) -> dict[str, torch.Tensor]:
             _, il, kind, _ = name.split(".")
             out[f"layers.{il}.{_GGUF_TO_HF[kind]}.weight"] = t
     return out
+
+
+def hf_to_reference(tensors: dict) -> dict[str, torch.Tensor]:
+    """HF checkpoint names (any published variant) -> reference parameter names (DFlash v1 part)."""
+    out = {}
+    for name, arr in tensors.items():
+        n = name.removeprefix("model.")
+        n = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}.get(n, n)
+        if n.startswith(("fc.", "hidden_norm.", "norm.")) or (n.startswith("layers.") and "_conv." not in n):
+            out[n] = torch.as_tensor(arr).float().clone()
+    return out

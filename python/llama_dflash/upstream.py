@@ -45,9 +45,19 @@ class UpstreamDrafter:
             dp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(self.model, dp)
         assert self.ctx
-        llama_cpp.llama_set_causal_attn(self.ctx, False)
+        # upstream's common code: non-causal unless the file says dflash.attention.causal
+        llama_cpp.llama_set_causal_attn(self.ctx, self._meta("dflash.attention.causal") == "true")
+        # DFlash v1: upstream leaves logit scale / softcap to the sampler; apply them here
+        # so that the logits compare with ours (they never change the argmax).
+        self.logit_scale = float(self._meta("dflash.logit_scale") or 1.0)
+        self.softcap = float(self._meta("dflash.final_logit_softcapping") or 0.0)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_past = 0
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(128)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
 
     def push(self, feats: np.ndarray) -> None:
         n, width = feats.shape
@@ -79,7 +89,9 @@ class UpstreamDrafter:
         out = None
         if return_logits:
             out = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))
-                            .copy() for i in range(1, n + 1)])
+                            .copy() for i in range(1, n + 1)]) * self.logit_scale
+            if self.softcap > 0:
+                out = self.softcap * np.tanh(out / self.softcap)
         # The noise block must not stay in the drafter's cache.
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, self.n_past, -1)
         return out

@@ -1,0 +1,303 @@
+"""HF DFlash / DFlash2 drafter checkpoints -> GGUF drafter files (docs: dflash-architecture §4).
+
+Reads every published config schema variant, takes the vocabulary, hidden size,
+layer count and M-RoPE layout from the target's GGUF, checks every tensor's
+presence and shape, and streams the tensors one by one into a GGUF in upstream
+llama.cpp's layout (which our runtime and libllama both load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGUFReader
+
+from ..gguf_io import DrafterConfig, TensorSource, write_drafter
+from .safetensors_io import LazyTensor, SafetensorsError, open_checkpoint
+
+ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+
+
+class ConvertError(ValueError):
+    """A user error in a conversion: one line, naming the file and the field."""
+
+
+@dataclass
+class TargetInfo:
+    path: Path
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_vocab: int
+    mrope: bool
+    reader: GGUFReader
+
+
+def read_target(path: str | os.PathLike) -> TargetInfo:
+    p = Path(path)
+    if not p.is_file():
+        raise ConvertError(f"{p}: target GGUF not found")
+    try:
+        r = GGUFReader(str(p))
+        arch = r.fields["general.architecture"].contents()
+        n_embd = int(r.fields[f"{arch}.embedding_length"].contents())
+        n_layer = int(r.fields[f"{arch}.block_count"].contents())
+        n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    except (KeyError, ValueError, IndexError, OSError) as e:
+        raise ConvertError(f"{p}: unreadable target GGUF ({e.__class__.__name__}: {e})") from None
+    sec = r.fields.get(f"{arch}.rope.dimension_sections")
+    mrope = sec is not None and sum(1 for x in sec.contents() if int(x) != 0) > 1
+    return TargetInfo(p, arch, n_embd, n_layer, n_vocab, mrope, r)
+
+
+def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
+    """z-lab's default taps: spread from layer 1 to N_T - 3 (Python round: half to even)."""
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    n = n_draft_layers
+    return [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[DrafterConfig, int]:
+    """config.json (any published schema) -> (DrafterConfig, DFlash version)."""
+
+    def fail(field: str, msg: str):
+        raise ConvertError(f"{cfg_path}: {field}: {msg}")
+
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ARCHITECTURES:
+        fail("architectures", f"{arch!r} is not a DFlash drafter (expected one of {sorted(ARCHITECTURES)})")
+    version = ARCHITECTURES[arch]
+    dc = cfg.get("dflash_config") or {}
+
+    def get(key, default=None, nested_first=True):
+        if nested_first and key in dc:
+            return dc[key]
+        return cfg.get(key, dc.get(key, default))
+
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(cfg.get(k), int) or cfg[k] <= 0:
+            fail(k, "missing or not a positive integer")
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    head_dim = cfg.get("head_dim") or H // n_head
+    if H != target.n_embd:
+        fail("hidden_size", f"{H} differs from the target's hidden size {target.n_embd} ({target.path.name})")
+    vocab = cfg.get("vocab_size")
+    if vocab is not None and vocab != target.n_vocab:
+        fail("vocab_size", f"{vocab} differs from the target's vocabulary ({target.n_vocab} tokens)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        fail("hidden_act", f"{cfg['hidden_act']!r} is not supported (silu)")
+    if cfg.get("attention_bias"):
+        fail("attention_bias", "attention biases are not supported by DFlash drafters in llama.cpp")
+    if dc.get("sample_from_anchor"):
+        fail("dflash_config.sample_from_anchor", "DSpark-style layouts are not DFlash")
+    if cfg.get("rope_is_neox_style") is False:
+        fail("rope_is_neox_style", "interleaved rope checkpoints are not supported")
+
+    top_bs, nested_bs = cfg.get("block_size"), dc.get("block_size")
+    if top_bs is not None and nested_bs is not None and top_bs != nested_bs:
+        fail("block_size", f"top level ({top_bs}) and dflash_config ({nested_bs}) disagree")
+    block = nested_bs or top_bs or 16
+    if not isinstance(block, int) or block < 2:
+        fail("block_size", f"{block!r} is not an integer >= 2")
+
+    mask = get("mask_token_id")
+    if not isinstance(mask, int):
+        fail("dflash_config.mask_token_id", "missing")
+    if not 0 <= mask < target.n_vocab:
+        fail("dflash_config.mask_token_id", f"{mask} lies outside the target vocabulary ({target.n_vocab} tokens)")
+
+    ids = get("target_layer_ids")
+    if ids is None:
+        n_t = cfg.get("num_target_layers") or target.n_layer
+        ids = default_target_layer_ids(n_t, L)
+    if not ids or not all(isinstance(i, int) for i in ids):
+        fail("dflash_config.target_layer_ids", f"{ids!r} is not a list of layer ids")
+    for i in ids:
+        if not 0 <= i < target.n_layer - 1:
+            fail("dflash_config.target_layer_ids", f"layer {i} is not below the target's last layer "
+                                                   f"({target.n_layer} layers; usable 0..{target.n_layer - 2})")
+
+    rp = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or {}
+    rtype = scaling.get("rope_type", scaling.get("type")) or rp.get("rope_type") or "default"
+    if rtype != "default":
+        fail("rope_scaling", f"rope type {rtype!r} is not supported (default rope only)")
+
+    causal = cfg.get("is_causal")
+    if causal is None:
+        causal = dc.get("causal", False)
+    layer_types = cfg.get("layer_types") or []
+    window = dc.get("swa_window_size") or cfg.get("sliding_window") or 0
+    swa: list[bool] = []
+    if dc.get("use_swa"):
+        swa = [True] * L
+    elif cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
+        swa = [t == "sliding_attention" for t in layer_types] if layer_types else [True] * L
+    if swa and not any(swa):
+        swa = []
+    if swa and not (isinstance(window, int) and window > 0):
+        fail("sliding_window", "sliding-window layers need a positive window")
+    if layer_types and len(layer_types) != L:
+        fail("layer_types", f"{len(layer_types)} entries for {L} layers")
+
+    softcap = dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")) or 0.0
+    out = DrafterConfig(
+        n_embd=H, n_layer=L, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim, n_ff=cfg["intermediate_size"],
+        target_layer_ids=list(ids), block_size=block, mask_token_id=mask, rope_theta=float(theta),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), causal=bool(causal),
+        sliding_window=int(window) if swa else 0, swa_layers=swa,
+        embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
+        logit_scale=float(dc.get("output_multiplier", 1.0)), softcap=float(softcap),
+        context_length=int(cfg.get("max_position_embeddings", 32768)),
+        rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [],
+    )
+    if version == 2:
+        for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if not isinstance(dc.get(k), int) or dc[k] <= 0:
+                fail(f"dflash_config.{k}", "missing (required for DFlash2DraftModel)")
+        out.conv_kernel_size, out.conv_group_size = dc["conv_kernel_size"], dc["conv_group_size"]
+        out.selector_rank, out.selector_top_k = dc["selector_rank"], dc["selector_top_k"]
+        if H % out.conv_group_size:
+            fail("dflash_config.conv_group_size", f"{out.conv_group_size} does not divide hidden_size {H}")
+        if H < out.selector_top_k * (out.selector_top_k + 1):
+            fail("dflash_config.selector_top_k", f"{out.selector_top_k} needs hidden_size >= K(K+1)")
+    return out, version
+
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+}
+_TOP_MAP = {
+    "fc.weight": "fc.weight",
+    "encoder.fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "encoder.output_norm_enc.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.successor_codebook.weight": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    n = hf_name.removeprefix("model.")
+    if n in _TOP_MAP:
+        return _TOP_MAP[n]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", n)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"blk.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    return None
+
+
+def expected_shapes(c: DrafterConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> PyTorch-order shape of every tensor the drafter must have."""
+    E, qd, kvd, d = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.head_dim
+    s: dict[str, tuple[int, ...]] = {
+        "fc.weight": (E, E * len(c.target_layer_ids)), "enc.output_norm.weight": (E,), "output_norm.weight": (E,)}
+    for i in range(c.n_layer):
+        p = f"blk.{i}."
+        s.update({p + "attn_norm.weight": (E,), p + "attn_q.weight": (qd, E), p + "attn_k.weight": (kvd, E),
+                  p + "attn_v.weight": (kvd, E), p + "attn_output.weight": (E, qd), p + "attn_q_norm.weight": (d,),
+                  p + "attn_k_norm.weight": (d,), p + "ffn_norm.weight": (E,), p + "ffn_gate.weight": (c.n_ff, E),
+                  p + "ffn_up.weight": (c.n_ff, E), p + "ffn_down.weight": (E, c.n_ff)})
+        if c.is_v2:
+            k, g = c.conv_kernel_size, E // c.conv_group_size
+            for side in ("attn", "ffn"):
+                s[p + f"{side}_conv_base"] = (2, k, E)
+                s[p + f"{side}_conv_proj.weight"] = (2 * k * g, E)
+    if c.is_v2:
+        r = c.selector_rank
+        s.update({"selector_predecessor.weight": (n_vocab, r), "selector_successor.weight": (n_vocab, r),
+                  "selector_hidden.weight": (r, E)})
+    return s
+
+
+def _progress_bar(label: str):
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{label} [{bar:<30}] {100 * frac:5.1f}% {done / 2**20:8.1f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike, outfile: str | os.PathLike,
+                       outtype: str = "f16", progress: bool = False) -> dict:
+    """Convert a HF drafter directory to a GGUF drafter; returns a summary dict."""
+    d = Path(hf_dir)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ConvertError(f"{d}: no config.json (not a HF checkpoint directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{cfg_path}: invalid JSON ({e})") from None
+    target = read_target(target_gguf)
+    c, version = parse_config(cfg, cfg_path, target)
+    try:
+        tensors = open_checkpoint(d)
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+
+    mapped: dict[str, LazyTensor] = {}
+    for name, t in tensors.items():
+        g = gguf_name(name)
+        if g is None or (g.startswith(("selector_", )) or "_conv_" in g) and version == 1:
+            raise ConvertError(f"{t.file}: unexpected tensor '{name}' for a {cfg['architectures'][0]}")
+        if g in mapped:
+            raise ConvertError(f"{t.file}: tensor '{name}' duplicates '{mapped[g].name}'")
+        mapped[g] = t
+    want = expected_shapes(c, target.n_vocab)
+    missing = [n for n in want if n not in mapped]
+    if missing:
+        raise ConvertError(f"{d}: missing tensors: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else ""))
+    for n, shape in want.items():
+        t = mapped[n]
+        if t.shape != shape:
+            field = ("vocab_size" if n.startswith("selector_p") or n.startswith("selector_s") else "shape")
+            raise ConvertError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, expected {list(shape)} "
+                               f"({field})")
+    order = list(want)  # deterministic, upstream-like order
+    srcs = [TensorSource(n, want[n], mapped[n].load) for n in order]
+    out = Path(outfile)
+    tmp = out.with_name(out.name + ".part")
+    try:
+        n = write_drafter(tmp, c, srcs, target.reader, outtype=outtype,
+                          progress=_progress_bar(f"converting to {outtype}") if progress else None)
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"outfile": str(out), "tensors": n, "bytes": out.stat().st_size, "version": version,
+            "block_size": c.block_size, "target_layers": c.target_layer_ids, "outtype": outtype}

@@ -1,0 +1,262 @@
+"""HF checkpoints (every schema variant) -> GGUF: round trip, upstream loading, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from llama_dflash.convert import ConvertError, convert_hf_to_gguf, default_target_layer_ids
+from llama_dflash.convert.safetensors_io import open_checkpoint
+from llama_dflash.drafter import Drafter
+from llama_dflash.gguf_io import DrafterConfig, read_drafter_config, read_tensors
+from llama_dflash.reference import DFlashReference, hf_to_reference
+from llama_dflash.upstream import UpstreamDrafter
+
+from hf_fixtures import VARIANTS, hf_tensors, make_variant, write_checkpoint
+from models import MASK_ID
+
+# What each variant's config must turn into (checked field by field, then used by the reference).
+EXPECTED = {
+    "v1_toplevel": dict(block_size=16, target_layer_ids=[0, 2, 4], rope_theta=10000.0),
+    "v1_nested_swa": dict(block_size=8, target_layer_ids=[1, 3], rope_theta=5000.0, sliding_window=9,
+                          swa_layers=[True, False]),
+    "v1_encoder_names": dict(block_size=16, target_layer_ids=[0, 1, 2, 3]),
+    "v1_default_taps": dict(block_size=16, target_layer_ids=[1, 3]),
+    "v1_transforms": dict(block_size=16, target_layer_ids=[0, 4], logit_scale=0.5, softcap=4.0, embedding_scale=1.5,
+                          causal=True, sliding_window=12, swa_layers=[True, True]),
+    "v1_sharded_bf16": dict(block_size=16, target_layer_ids=[0, 2]),
+    "v2": dict(block_size=8, target_layer_ids=[0, 2, 4], conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+               selector_top_k=4),
+}
+
+
+def expected_config(name: str) -> DrafterConfig:
+    base = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, mask_token_id=MASK_ID,
+                rms_eps=1e-6, context_length=4096, target_layer_ids=[], block_size=16)
+    base.update(EXPECTED[name])
+    c = DrafterConfig(**base)
+    for f in ("rms_eps", "rope_theta", "logit_scale", "softcap", "embedding_scale"):  # GGUF stores f32
+        setattr(c, f, float(np.float32(getattr(c, f))))
+    return c
+
+
+def test_default_tap_formula():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(52, 5) == [1, 13, 25, 37, 49]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    assert default_target_layer_ids(30, 1) == [15]
+
+
+def target_tables(path):
+    t = read_tensors(path, ["token_embd.weight", "output.weight"])
+    return torch.from_numpy(t["token_embd.weight"].copy()), torch.from_numpy(
+        t.get("output.weight", t["token_embd.weight"]).copy())
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_convert_variant(artifacts, load_model, tmp_path, name):
+    a = artifacts["llama"]
+    hf_dir, cfg, _ = make_variant(tmp_path, name)
+    out = tmp_path / f"{name}.gguf"
+    res = convert_hf_to_gguf(hf_dir, a["target"], out, outtype="f32")
+    got = read_drafter_config(out)
+    exp = expected_config(name)
+    assert got == exp, f"config mismatch:\n{got}\n{exp}"
+    assert res["tensors"] == len(read_tensors(out))
+
+    model = load_model(a["target"])
+    # upstream's libllama loads and drafts every converted variant
+    up = UpstreamDrafter(str(out), model, n_ctx=256)
+    feats = np.random.default_rng(3).standard_normal((40, 64 * len(exp.target_layer_ids))).astype(np.float32)
+    up.push(feats)
+    up.draft(123, MASK_ID, 7, return_logits=False)
+    if name == "v2":
+        up.close()
+        return  # DFlash2 runs upstream; our runtime's DFlash2 path is a later issue
+    # round trip: our runtime on the GGUF == PyTorch reference on the HF weights
+    ref = DFlashReference(exp)
+    ref.load_state_dict(hf_to_reference({k: t.load() for k, t in open_checkpoint(hf_dir).items()}))
+    embed, head = target_tables(a["target"])
+    d = Drafter(out, model, n_ctx=256, n_threads=2)
+    d.push(feats)
+    ids, logits = d.draft(123, 7, return_logits=True)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(feats), torch.tensor([123] + [MASK_ID] * 7), embed, head).numpy()
+    assert np.abs(logits - want).max() < 2e-3
+    up_logits = up.draft(123, MASK_ID, 7)
+    assert np.abs(logits - up_logits).max() < 1e-4
+    d.close()
+    up.close()
+
+
+@pytest.mark.parametrize("outtype,tol", [("f16", 2e-2), ("bf16", 6e-2), ("q8_0", 4e-2), ("q4_0", 0.25)])
+def test_output_types(artifacts, load_model, tmp_path, outtype, tol):
+    """Quantized outputs stay close to the f32 conversion (relative to the logit scale)."""
+    a = artifacts["llama"]
+    hf_dir, _, _ = make_variant(tmp_path, "v1_toplevel")
+    convert_hf_to_gguf(hf_dir, a["target"], tmp_path / "f32.gguf", outtype="f32")
+    res = convert_hf_to_gguf(hf_dir, a["target"], tmp_path / "q.gguf", outtype=outtype)
+    assert res["bytes"] < (tmp_path / "f32.gguf").stat().st_size
+    types = {t.name: t.tensor_type.name for t in __import__("gguf").GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32" and types["output_norm.weight"] == "F32"
+    assert types["blk.0.ffn_up.weight"] == outtype.upper()
+    model = load_model(a["target"])
+    feats = np.random.default_rng(4).standard_normal((30, 192)).astype(np.float32)
+    outs = []
+    for f in ("f32.gguf", "q.gguf"):
+        d = Drafter(tmp_path / f, model, n_ctx=128, n_threads=2)
+        d.push(feats)
+        outs.append(d.draft(50, 7, return_logits=True)[1])
+        d.close()
+    rel = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
+    assert rel < tol, rel
+
+
+def break_config(tmp_path, **changes):
+    cfg, _ = VARIANTS["v1_toplevel"]
+    cfg = json.loads(json.dumps(cfg))
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    d = write_checkpoint(tmp_path / "bad", cfg, hf_tensors(VARIANTS["v1_toplevel"][0]))
+    return d
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"architectures": ["DSparkDraftModel"]}, "architectures: 'DSparkDraftModel' is not a DFlash drafter"),
+    ({"hidden_size": 96}, "hidden_size: 96 differs from the target's hidden size 64"),
+    ({"vocab_size": 2000}, "vocab_size: 2000 differs from the target's vocabulary (1024 tokens)"),
+    ({"dflash_config": {"mask_token_id": 5000, "target_layer_ids": [0, 2]}}, "mask_token_id: 5000 lies outside"),
+    ({"dflash_config": {"mask_token_id": 16, "target_layer_ids": [0, 5]}}, "layer 5 is not below the target's last"),
+    ({"dflash_config": {"block_size": 8, "mask_token_id": 16}}, "block_size: top level (16) and dflash_config (8)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: rope type 'yarn' is not supported"),
+])
+def test_config_errors(artifacts, tmp_path, change, msg):
+    d = break_config(tmp_path, **change)
+    with pytest.raises(ConvertError) as e:
+        convert_hf_to_gguf(d, artifacts["llama"]["target"], tmp_path / "o.gguf")
+    assert msg in str(e.value) and "config.json" in str(e.value)
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_tensor_errors(artifacts, tmp_path):
+    tgt = artifacts["llama"]["target"]
+    cfg = VARIANTS["v1_toplevel"][0]
+    t = hf_tensors(cfg)
+    del t["layers.1.mlp.up_proj.weight"]
+    d = write_checkpoint(tmp_path / "missing", cfg, t)
+    with pytest.raises(ConvertError, match="missing tensors: blk.1.ffn_up.weight"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    t = hf_tensors(cfg)
+    t["layers.0.self_attn.extra.weight"] = np.zeros(3, np.float32)
+    d = write_checkpoint(tmp_path / "extra", cfg, t)
+    with pytest.raises(ConvertError, match="unexpected tensor 'layers.0.self_attn.extra.weight'"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    t = hf_tensors(cfg)
+    t["layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+    d = write_checkpoint(tmp_path / "shape", cfg, t)
+    with pytest.raises(ConvertError, match=r"'layers.0.self_attn.k_proj.weight' has shape \[8, 64\], expected"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    # a v1 checkpoint carrying DFlash2 tensors
+    t = hf_tensors(cfg)
+    t["candidate_selector.hidden_projection.weight"] = np.zeros((8, 64), np.float32)
+    d = write_checkpoint(tmp_path / "v2bits", cfg, t)
+    with pytest.raises(ConvertError, match="unexpected tensor 'candidate_selector.hidden_projection.weight'"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+
+
+def test_file_errors(artifacts, tmp_path):
+    tgt = artifacts["llama"]["target"]
+    d, _, _ = make_variant(tmp_path, "v1_toplevel")
+    st = d / "model.safetensors"
+    good = st.read_bytes()
+    st.write_bytes(b"\xff" * 8 + good[8:])
+    with pytest.raises(ConvertError, match="model.safetensors: corrupt safetensors header"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    st.write_bytes(good[:-100])
+    with pytest.raises(ConvertError, match="outside the file"):
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    st.write_bytes(good)
+    with pytest.raises(ConvertError, match="unreadable target GGUF"):
+        bad = tmp_path / "t.gguf"
+        bad.write_bytes(b"GGUF" + b"\0" * 64)
+        convert_hf_to_gguf(d, bad, tmp_path / "o.gguf")
+    with pytest.raises(ConvertError, match="no config.json"):
+        convert_hf_to_gguf(tmp_path, tgt, tmp_path / "o.gguf")
+    sd, _, _ = make_variant(tmp_path, "v1_sharded_bf16")
+    (sd / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ConvertError, match="shard 'model-00002-of-00003.safetensors' is missing"):
+        convert_hf_to_gguf(sd, tgt, tmp_path / "o.gguf")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_convert_and_inspect(artifacts, tmp_path):
+    a = artifacts["llama"]
+    d, _, _ = make_variant(tmp_path, "v2")
+    out = tmp_path / "v2.gguf"
+    r = run_cli("convert", str(d), "--target", a["target"], "--outfile", str(out), "--outtype", "q8_0")
+    assert r.returncode == 0, r.stderr
+    assert "DFlash2 drafter" in r.stdout and "tensors" in r.stdout and "MiB" in r.stdout
+    r = run_cli("inspect", str(out), "--json")
+    info = json.loads(r.stdout)
+    assert info["version"] == 2 and info["block_size"] == 8 and info["dflash2"]["selector_top_k"] == 4
+    names = {n: (shape, typ) for n, shape, typ in info["tensors"]}
+    assert names["blk.0.attn_conv_base"] == ([64, 2, 2], "F32")           # no .weight, ggml {H, K, 2}
+    assert names["selector_predecessor.weight"] == ([8, 1024], "F32")      # {rank, V}, kept float
+    assert names["selector_hidden.weight"][0] == [64, 8]
+    v1, _, _ = make_variant(tmp_path, "v1_toplevel")
+    out1 = tmp_path / "v1.gguf"
+    assert run_cli("convert", str(v1), "--target", a["target"], "--outfile", str(out1)).returncode == 0
+    r = run_cli("inspect", str(out1), "--target", a["target"])
+    assert r.returncode == 0 and "fits" in r.stdout.splitlines()[-1], r.stdout
+    from models import TargetSpec, write_target
+
+    wide = write_target(str(tmp_path / "wide.gguf"), TargetSpec(n_embd=96, n_head=4, n_head_kv=2))
+    r = run_cli("inspect", str(out1), "--target", wide)
+    assert r.returncode == 0 and "does not fit" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
+    # user errors: one line, non-zero
+    r = run_cli("convert", str(tmp_path / "nope"), "--target", a["target"], "--outfile", str(out))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no config.json" in r.stderr
+    r = run_cli("inspect", a["target"])
+    assert r.returncode == 2 and "not a DFlash drafter" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_mrope_target(artifacts, load_model, tmp_path):
+    """A target with M-RoPE sections gives the drafter degenerate sections [head_dim/2, 0, 0, 0]."""
+    from gguf import GGUFReader, GGUFWriter
+
+    src = GGUFReader(artifacts["llama"]["target"])
+    w = GGUFWriter(str(tmp_path / "mrope.gguf"), "llama")
+    for name, f in src.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vt = f.types[0]
+        w.add_key_value(name, f.contents(), vt, sub_type=f.types[-1] if len(f.types) > 1 else None)
+    w.add_array("llama.rope.dimension_sections", [4, 2, 2, 0])
+    for t in src.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf, _, _ = make_variant(tmp_path, "v1_toplevel")
+    out = tmp_path / "d.gguf"
+    convert_hf_to_gguf(hf, tmp_path / "mrope.gguf", out, outtype="f32")
+    assert read_drafter_config(out).rope_sections == [8, 0, 0, 0]
+    model = load_model(artifacts["llama"]["target"])
+    d = Drafter(out, model, n_ctx=64, n_threads=2)  # plain 1-D positions
+    d.push(np.zeros((3, 192), np.float32))
+    assert len(d.draft(20, 3)) == 3
+    d.close()
