@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -80,12 +79,13 @@ def make_checkpoint(d: Path) -> tuple[int, int]:
 
 
 CONVERT = r"""
-import json, resource, sys, time
+import json, sys, time
 from llama_dflash.convert import convert_hf_to_gguf
 t0 = time.time()
 res = convert_hf_to_gguf(sys.argv[1], sys.argv[2], sys.argv[3], outtype="f16")
 res["seconds"] = time.time() - t0
-res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: peak of this process image (ru_maxrss would include the parent's pages at fork)
+res["peak_rss_bytes"] = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps(res))
 """
 
@@ -104,8 +104,7 @@ def main() -> int:
     res = json.loads(r.stdout.strip().splitlines()[-1])
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python3"] + sys.argv),
            "checkpoint_bytes_bf16": size, "largest_tensor_bytes_f32": largest,
-           "output_bytes_f16": res["bytes"], "peak_rss_bytes": res["peak_rss_bytes"], "seconds": res["seconds"],
-           "this_script_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "output_bytes_f16": res["bytes"], "peak_rss_bytes": res["peak_rss_bytes"], "seconds": res["seconds"]}
     print(json.dumps(out, indent=1))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -59,6 +59,11 @@ struct dflash_drafter_info {
     float   logit_scale;
     float   softcap;
     int32_t n_ctx;            /* capacity of the context cache, in positions */
+    /* DFlash2 (zero for DFlash v1) */
+    int32_t conv_kernel_size;
+    int32_t conv_group_size;
+    int32_t selector_rank;
+    int32_t selector_top_k;
 };
 
 /* ---- drafter --------------------------------------------------------- */
@@ -101,6 +106,12 @@ int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_ro
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n,
                              int32_t * out_tokens, float * out_logits,
                              char * err, size_t err_len);
+
+/* DFlash2: the candidate lattice of the last draft of n tokens.  cand: n x K
+ * token ids; scores: n x K x K, scores[k][a][b] = score of candidate b of slot
+ * k after candidate a of slot k-1 (slot 0: the anchor, same row for every a).
+ * Returns n, or -1 for a DFlash v1 drafter. */
+int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores);
 
 /* ---- feature capture --------------------------------------------------- */
 

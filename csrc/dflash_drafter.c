@@ -29,6 +29,7 @@
 struct dflash_layer {
     struct ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
     struct ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
+    struct ggml_tensor * attn_conv_base, * attn_conv_proj, * ffn_conv_base, * ffn_conv_proj; // DFlash2
     struct ggml_tensor * k_cache; // [head_dim*n_head_kv, n_ctx]: one row per position
     struct ggml_tensor * v_cache; // [n_ctx, head_dim*n_head_kv]: transposed for kq*v
 };
@@ -43,6 +44,7 @@ struct dflash_drafter {
     ggml_backend_buffer_t buf_kv;
 
     struct ggml_tensor * fc, * hidden_norm, * out_norm;
+    struct ggml_tensor * sel_pred, * sel_succ, * sel_hidden; // DFlash2 selector
     struct dflash_layer layers[DFLASH_MAX_LAYERS];
     struct ggml_tensor * tok_embd; // borrowed from the target unless the file has one
     struct ggml_tensor * head;     // idem
@@ -54,6 +56,10 @@ struct dflash_drafter {
     ggml_backend_sched_t sched;
     void * meta_buf;
     size_t meta_size;
+
+    int32_t * last_cand;  // DFlash2: lattice of the last draft
+    float * last_scores;
+    int32_t last_n;
 
     int32_t n_cached;     // positions projected into the cache
     float * pending;      // queued feature rows
@@ -123,9 +129,9 @@ static int32_t kv_arr_i32(const struct gguf_context * g, const char * key, int32
 // tensors
 
 // Expected tensor: look it up in the file's meta context and check its shape.
-static struct ggml_tensor * want(struct ggml_context * meta, const char * name,
-                                 int64_t ne0, int64_t ne1, bool required,
-                                 char * err, size_t err_len, bool * ok) {
+static struct ggml_tensor * want3(struct ggml_context * meta, const char * name,
+                                  int64_t ne0, int64_t ne1, int64_t ne2, bool required,
+                                  char * err, size_t err_len, bool * ok) {
     struct ggml_tensor * t = ggml_get_tensor(meta, name);
     if (!t) {
         if (required) {
@@ -134,20 +140,26 @@ static struct ggml_tensor * want(struct ggml_context * meta, const char * name,
         }
         return NULL;
     }
-    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1) {
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != 1) {
         dflash_seterr(err, err_len,
-                      "drafter tensor '%s' has shape [%lld, %lld, %lld], expected [%lld, %lld]",
+                      "drafter tensor '%s' has shape [%lld, %lld, %lld], expected [%lld, %lld, %lld]",
                       name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
-                      (long long) ne0, (long long) ne1);
+                      (long long) ne0, (long long) ne1, (long long) ne2);
         *ok = false;
         return NULL;
     }
     return t;
 }
 
+static struct ggml_tensor * want(struct ggml_context * meta, const char * name, int64_t ne0, int64_t ne1,
+                                 bool required, char * err, size_t err_len, bool * ok) {
+    return want3(meta, name, ne0, ne1, 1, required, err, err_len, ok);
+}
+
 static bool is_known_tensor(const char * name, int n_layer) {
     static const char * top[] = { "fc.weight", "enc.output_norm.weight", "output_norm.weight",
-                                  "token_embd.weight", "output.weight" };
+                                  "token_embd.weight", "output.weight", "selector_predecessor.weight",
+                                  "selector_successor.weight", "selector_hidden.weight" };
     for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++) {
         if (strcmp(name, top[i]) == 0) return true;
     }
@@ -161,6 +173,10 @@ static bool is_known_tensor(const char * name, int n_layer) {
         char full[80];
         snprintf(full, sizeof(full), "%s.weight", per_layer[i]);
         if (strcmp(rest, full) == 0) return true;
+    }
+    static const char * conv[] = { "attn_conv_base", "attn_conv_proj.weight", "ffn_conv_base", "ffn_conv_proj.weight" };
+    for (size_t i = 0; i < sizeof(conv) / sizeof(conv[0]); i++) {
+        if (strcmp(rest, conv[i]) == 0) return true;
     }
     return false;
 }
@@ -220,8 +236,35 @@ struct dflash_graph {
     struct ggml_tensor * tokens, * block_pos;       // block inputs (or NULL)
     struct ggml_tensor * mask_full, * mask_swa;     // [n_kv, n_block] (or NULL)
     struct ggml_tensor * logits, * argmax;          // outputs
+    struct ggml_tensor * anchor;                    // DFlash2: anchor id (selector input)
+    struct ggml_tensor * cand, * scores;            // DFlash2: [K, n] ids, [K, K, n] lattice
     int32_t n_kv;                                   // keys the block attends to
 };
+
+// DFlash2 convolution of one side over the block (docs §3.1):
+//   out[:, i] = sum_t (base[side, t] + dyn_i[side, t, grp(c)]) * x[:, i - t],  x[:, j < 0] = 0.
+// x: [H, B] (block slots only), dyn: [2*K*G, B] from the normed sub-layer input.
+static struct ggml_tensor * dyn_conv(const struct dflash_drafter * d, struct ggml_context * ctx,
+                                     struct ggml_tensor * x, struct ggml_tensor * dyn,
+                                     struct ggml_tensor * base, int side) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    const int64_t H = hp->n_embd, B = x->ne[1], K = hp->conv_kernel_size;
+    const int64_t g = hp->conv_group_size, G = H / g;
+    x = ggml_cont(ctx, x);
+    struct ggml_tensor * out = NULL;
+    for (int64_t t = 0; t < K && t < B; t++) {
+        struct ggml_tensor * dt = ggml_view_2d(ctx, dyn, G, B, dyn->nb[1], (size_t) (side * K * G + t * G) * sizeof(float));
+        dt = ggml_reshape_3d(ctx, ggml_cont(ctx, dt), 1, G, B);
+        dt = ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, dt, g, G, B, 1), H, B); // group value on its g channels
+        struct ggml_tensor * bt = ggml_view_1d(ctx, base, H, (size_t) (side * K + t) * H * ggml_element_size(base));
+        struct ggml_tensor * kern = ggml_add(ctx, dt, bt);
+        struct ggml_tensor * xs = x;
+        if (t > 0) xs = ggml_pad_ext(ctx, ggml_view_2d(ctx, x, H, B - t, x->nb[1], 0), 0, 0, (int) t, 0, 0, 0, 0, 0);
+        struct ggml_tensor * term = ggml_mul(ctx, kern, xs);
+        out = out ? ggml_add(ctx, out, term) : term;
+    }
+    return out;
+}
 
 static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * x, struct ggml_tensor * w, float eps) {
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
@@ -248,6 +291,38 @@ static void store_kv(struct dflash_drafter * d, struct ggml_context * ctx, struc
                                               (size_t) off * ggml_element_size(L->v_cache));
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_kv_embd, n), k_dst));
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v), v_dst));
+}
+
+// DFlash2 selector (docs §3.2), all on the backend: top-K candidates per slot and the
+// lattice scores[k][a][b] = U_k(c_kb) + <A[c_{k-1,a}] * gate_k, S[c_kb]>, slot 0's predecessor
+// being the anchor.  Only ids and K x K scores per slot go back to the host.
+static void build_selector(const struct dflash_drafter * d, struct dflash_graph * G, struct ggml_context * ctx,
+                           struct ggml_tensor * z, struct ggml_tensor * logits) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    const int64_t K = hp->selector_top_k, R = hp->selector_rank, n = logits->ne[1], V = logits->ne[0];
+    struct ggml_tensor * cand = ggml_top_k(ctx, logits, (int) K);                            // [K, n]
+    struct ggml_tensor * unary = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, n), cand); // [1, K, n]
+    struct ggml_tensor * gate = ggml_mul_mat(ctx, d->sel_hidden, z);                          // [R, n]
+    struct ggml_tensor * flat = ggml_reshape_1d(ctx, cand, K * n);
+    struct ggml_tensor * succ = ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_succ, flat), R, K, n);
+    G->anchor = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+    ggml_set_input(G->anchor);
+    struct ggml_tensor * prev = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_pred, G->anchor), R, 1, 1),
+                                               R, K, 1, 1);
+    if (n > 1) {
+        struct ggml_tensor * pred = ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_pred, flat), R, K, n);
+        pred = ggml_cont(ctx, ggml_view_3d(ctx, pred, R, K, n - 1, pred->nb[1], pred->nb[2], 0));
+        prev = ggml_concat(ctx, prev, pred, 2);                                              // [R, K, n]
+    }
+    prev = ggml_mul(ctx, prev, ggml_reshape_3d(ctx, gate, R, 1, n));
+    struct ggml_tensor * scores = ggml_mul_mat(ctx, succ, prev);                              // [K(b), K(a), n]
+    scores = ggml_add(ctx, scores, ggml_reshape_3d(ctx, unary, K, 1, n));
+    G->cand = cand;
+    G->scores = scores;
+    ggml_set_output(cand);
+    ggml_set_output(scores);
+    ggml_build_forward_expand(G->gf, cand);
+    ggml_build_forward_expand(G->gf, scores);
 }
 
 // Build the graph: inject n_feat pending rows, then (if n_block > 0) run the
@@ -304,7 +379,13 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
 
     for (int il = 0; il < hp->n_layer; il++) {
         const struct dflash_layer * L = &d->layers[il];
+        const bool v2 = hp->version == 2;
         struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
+        struct ggml_tensor * dyn_a = NULL;
+        if (v2) {
+            dyn_a = ggml_mul_mat(ctx, L->attn_conv_proj, u);
+            u = dyn_conv(d, ctx, u, dyn_a, L->attn_conv_base, 0);
+        }
 
         struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
         q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, n_block);
@@ -326,12 +407,21 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
         struct ggml_tensor * o = ggml_mul_mat(ctx, V, kq);         // [d, n_block, H]
         o = ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));     // [d, H, n_block]
         o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, n_block);
-        h = ggml_add(ctx, h, ggml_mul_mat(ctx, L->wo, o));
+        o = ggml_mul_mat(ctx, L->wo, o);
+        if (v2) o = dyn_conv(d, ctx, o, dyn_a, L->attn_conv_base, 1);
+        h = ggml_add(ctx, h, o);
 
         struct ggml_tensor * v = rms(ctx, h, L->ffn_norm, hp->rms_eps);
+        struct ggml_tensor * dyn_m = NULL;
+        if (v2) {
+            dyn_m = ggml_mul_mat(ctx, L->ffn_conv_proj, v);
+            v = dyn_conv(d, ctx, v, dyn_m, L->ffn_conv_base, 0);
+        }
         struct ggml_tensor * g = ggml_silu(ctx, ggml_mul_mat(ctx, L->ffn_gate, v));
         struct ggml_tensor * m = ggml_mul(ctx, g, ggml_mul_mat(ctx, L->ffn_up, v));
-        h = ggml_add(ctx, h, ggml_mul_mat(ctx, L->ffn_down, m));
+        m = ggml_mul_mat(ctx, L->ffn_down, m);
+        if (v2) m = dyn_conv(d, ctx, m, dyn_m, L->ffn_conv_base, 1);
+        h = ggml_add(ctx, h, m);
     }
     (void) n_kv_embd;
 
@@ -344,11 +434,17 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp->softcap)), hp->softcap);
     }
     G->logits = logits;
+    if (want_logits) {
+        ggml_set_output(G->logits);
+        ggml_build_forward_expand(G->gf, G->logits);
+    }
+    if (hp->version == 2) {
+        build_selector(d, G, ctx, z, logits);
+        return true;
+    }
     G->argmax = ggml_argmax(ctx, logits);
     ggml_set_output(G->argmax);
-    if (want_logits) ggml_set_output(G->logits);
     ggml_build_forward_expand(G->gf, G->argmax);
-    if (want_logits) ggml_build_forward_expand(G->gf, G->logits);
     return true;
 }
 
@@ -396,6 +492,7 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
             buf[n_block + i] = a + i;
         }
         ggml_backend_tensor_set(G.tokens, buf, 0, sizeof(int32_t) * n_block);
+        if (G.anchor) ggml_backend_tensor_set(G.anchor, &anchor, 0, sizeof(int32_t));
         ggml_backend_tensor_set(G.block_pos, buf + n_block, 0, sizeof(int32_t) * n_block);
         free(buf);
         if (G.mask_full || G.mask_swa) {
@@ -423,12 +520,27 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         memmove(d->pending, d->pending + (size_t) n_feat * d->n_embd_inp,
                 sizeof(float) * (size_t) d->n_pending * d->n_embd_inp);
     }
-    if (n_block > 0) {
-        ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (n_block - 1));
-        if (out_logits) {
-            ggml_backend_tensor_get(G.logits, out_logits, 0,
-                                    sizeof(float) * (size_t) (n_block - 1) * hp->n_vocab);
+    if (n_block > 0 && hp->version == 2) {
+        // Greedy walk from the anchor over the lattice (first index on ties).
+        const int32_t n = n_block - 1, K = hp->selector_top_k;
+        ggml_backend_tensor_get(G.cand, d->last_cand, 0, sizeof(int32_t) * (size_t) n * K);
+        ggml_backend_tensor_get(G.scores, d->last_scores, 0, sizeof(float) * (size_t) n * K * K);
+        d->last_n = n;
+        int32_t prev = 0;
+        for (int32_t k = 0; k < n; k++) {
+            const float * row = d->last_scores + ((size_t) k * K + prev) * K;
+            int32_t best = 0;
+            for (int32_t j = 1; j < K; j++) {
+                if (row[j] > row[best]) best = j;
+            }
+            out_tokens[k] = d->last_cand[k * K + best];
+            prev = best;
         }
+    } else if (n_block > 0) {
+        ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (n_block - 1));
+    }
+    if (n_block > 0 && out_logits) {
+        ggml_backend_tensor_get(G.logits, out_logits, 0, sizeof(float) * (size_t) (n_block - 1) * hp->n_vocab);
     }
     ggml_free(G.ctx);
     return 0;
@@ -447,6 +559,8 @@ void dflash_drafter_free(dflash_drafter * d) {
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
     free(d->pending);
+    free(d->last_cand);
+    free(d->last_scores);
     free(d);
 }
 
@@ -467,10 +581,6 @@ static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context *
         dflash_seterr(err, err_len, "'%s' is a DSpark drafter (markov_w1.weight); only DFlash is supported", path);
         return false;
     }
-    if (ggml_get_tensor(meta, "selector_hidden.weight")) {
-        dflash_seterr(err, err_len, "'%s' is a DFlash2 drafter; this build runs DFlash v1 drafters only", path);
-        return false;
-    }
     if (ggml_get_tensor(meta, "d2t")) {
         dflash_seterr(err, err_len, "'%s' uses a reduced draft vocabulary (d2t), which is not supported", path);
         return false;
@@ -481,6 +591,22 @@ static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context *
         return false;
     }
     hp->version = 1;
+    if (ggml_get_tensor(meta, "selector_hidden.weight")) {
+        // DFlash2: detected as upstream does, by the selector tensor; its keys are then required.
+        hp->version = 2;
+        struct { const char * key; int32_t * dst; } v2[] = {
+            { "dflash.conv_kernel_size", &hp->conv_kernel_size },
+            { "dflash.conv_group_size", &hp->conv_group_size },
+            { "dflash.selector_rank", &hp->selector_rank },
+            { "dflash.selector_top_k", &hp->selector_top_k },
+        };
+        for (size_t i = 0; i < sizeof(v2) / sizeof(v2[0]); i++) {
+            if (!kv_u32(g, v2[i].key, v2[i].dst) || *v2[i].dst <= 0) {
+                dflash_seterr(err, err_len, "'%s': DFlash2 drafter is missing conv/selector key '%s'", path, v2[i].key);
+                return false;
+            }
+        }
+    }
     struct { const char * key; int32_t * dst; } req[] = {
         { "dflash.block_count", &hp->n_layer },
         { "dflash.embedding_length", &hp->n_embd },
@@ -561,6 +687,18 @@ static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context *
     if (kv_find(g, "dflash.hidden_activation") >= 0 || kv_find(g, "dflash.attention.scale") >= 0) {
         dflash_seterr(err, err_len, "'%s': Gemma-style drafters (hidden_activation / attention.scale) are not supported", path);
         return false;
+    }
+    if (hp->version == 2) {
+        if (hp->n_embd % hp->conv_group_size != 0) {
+            dflash_seterr(err, err_len, "'%s': conv_group_size %d does not divide the hidden size %d", path,
+                          hp->conv_group_size, hp->n_embd);
+            return false;
+        }
+        if (hp->selector_top_k > 64 || hp->conv_kernel_size > 8) {
+            dflash_seterr(err, err_len, "'%s': selector_top_k %d / conv_kernel_size %d are out of range", path,
+                          hp->selector_top_k, hp->conv_kernel_size);
+            return false;
+        }
     }
     d->n_embd_inp = hp->n_taps * hp->n_embd;
     return true;
@@ -662,6 +800,26 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         }
     }
 
+    // DFlash2 tensors: conv bases (ggml {H, K, 2}, no .weight), projections, selector.
+    struct ggml_tensor * m_conv[DFLASH_MAX_LAYERS][4] = { { 0 } };
+    struct ggml_tensor * m_sel[3] = { 0 };
+    if (ok && hp->version == 2) {
+        const int64_t K = hp->conv_kernel_size, G = E / hp->conv_group_size, R = hp->selector_rank;
+        for (int il = 0; ok && il < hp->n_layer; il++) {
+            char nm[96];
+            const char * sides[2] = { "attn", "ffn" };
+            for (int s2 = 0; ok && s2 < 2; s2++) {
+                snprintf(nm, sizeof(nm), "blk.%d.%s_conv_base", il, sides[s2]);
+                m_conv[il][2 * s2] = want3(meta, nm, E, K, 2, true, err, err_len, &ok);
+                snprintf(nm, sizeof(nm), "blk.%d.%s_conv_proj.weight", il, sides[s2]);
+                if (ok) m_conv[il][2 * s2 + 1] = want(meta, nm, E, 2 * K * G, true, err, err_len, &ok);
+            }
+        }
+        if (ok) m_sel[0] = want(meta, "selector_predecessor.weight", R, hp->n_vocab, true, err, err_len, &ok);
+        if (ok) m_sel[1] = want(meta, "selector_successor.weight", R, hp->n_vocab, true, err, err_len, &ok);
+        if (ok) m_sel[2] = want(meta, "selector_hidden.weight", E, R, true, err, err_len, &ok);
+    }
+
     // Borrow the target's embedding and head.
     if (ok) {
         d->tok_embd = m_te ? NULL : target_tensor(target, "token_embd.weight", true);
@@ -703,10 +861,10 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
 
     // Own weights.
     if (ok) {
-        size_t n_t = (size_t) gguf_get_n_tensors(g) + 1;
+        size_t n_t = (size_t) gguf_get_n_tensors(g) + 8;
         struct ggml_init_params ip = { n_t * ggml_tensor_overhead(), NULL, true };
         d->ctx_w = ggml_init(ip);
-        struct ggml_tensor * dst[DFLASH_MAX_LAYERS * 11 + 5];
+        struct ggml_tensor * dst[DFLASH_MAX_LAYERS * 15 + 8];
         int nd = 0;
 #define DUP(m) (m ? (dst[nd] = ggml_dup_tensor(d->ctx_w, m), ggml_set_name(dst[nd], ggml_get_name(m)), dst[nd++]) : NULL)
         d->fc = DUP(m_fc);
@@ -721,7 +879,14 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
             struct ggml_tensor ** slots[11] = { &L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->q_norm,
                                                 &L->k_norm, &L->ffn_norm, &L->ffn_gate, &L->ffn_up, &L->ffn_down };
             for (int k = 0; k < 11; k++) *slots[k] = DUP(m_l[il][k]);
+            L->attn_conv_base = DUP(m_conv[il][0]);
+            L->attn_conv_proj = DUP(m_conv[il][1]);
+            L->ffn_conv_base = DUP(m_conv[il][2]);
+            L->ffn_conv_proj = DUP(m_conv[il][3]);
         }
+        d->sel_pred = DUP(m_sel[0]);
+        d->sel_succ = DUP(m_sel[1]);
+        d->sel_hidden = DUP(m_sel[2]);
 #undef DUP
         d->buf_w = ggml_backend_alloc_ctx_tensors(d->ctx_w, d->backends[0]);
         if (!d->buf_w) {
@@ -756,6 +921,11 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         d->meta_size = ggml_tensor_overhead() * DFLASH_GRAPH_SIZE + ggml_graph_overhead_custom(DFLASH_GRAPH_SIZE, false);
         d->meta_buf = malloc(d->meta_size);
         d->sched = ggml_backend_sched_new(d->backends, NULL, d->n_backends, DFLASH_GRAPH_SIZE, false, true);
+        if (hp->version == 2) {
+            const size_t nk = (size_t) hp->block_size * hp->selector_top_k;
+            d->last_cand = malloc(sizeof(int32_t) * nk);
+            d->last_scores = malloc(sizeof(float) * nk * hp->selector_top_k);
+        }
         d->pending_cap = DFLASH_INJECT_CHUNK;
         d->pending = malloc(sizeof(float) * (size_t) d->pending_cap * d->n_embd_inp);
         const int32_t n_feat = n_ctx - hp->block_size < DFLASH_INJECT_CHUNK ? (n_ctx - hp->block_size > 1 ? n_ctx - hp->block_size : 1)
@@ -813,6 +983,14 @@ int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) {
         d->n_pending = n - d->n_cached;
     }
     return dflash_drafter_n_ctx_used(d);
+}
+
+int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores) {
+    if (d->hp.version != 2) return -1;
+    const size_t nk = (size_t) d->last_n * d->hp.selector_top_k;
+    if (cand) memcpy(cand, d->last_cand, sizeof(int32_t) * nk);
+    if (scores) memcpy(scores, d->last_scores, sizeof(float) * nk * d->hp.selector_top_k);
+    return d->last_n;
 }
 
 int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d) {

@@ -35,6 +35,10 @@ class DrafterInfo:
     embedding_scale: float
     logit_scale: float
     softcap: float
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
 
 def check_file(path: str | os.PathLike, what: str) -> bytes:
@@ -69,6 +73,8 @@ class Drafter:
             mask_token_id=i.mask_token_id, n_vocab=i.n_vocab, causal=bool(i.causal),
             sliding_window=i.n_swa, rope_theta=i.rope_theta, rms_eps=i.rms_eps,
             embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
+            conv_kernel_size=i.conv_kernel_size, conv_group_size=i.conv_group_size, selector_rank=i.selector_rank,
+            selector_top_k=i.selector_top_k,
         )
 
     def memory(self) -> dict:
@@ -113,6 +119,18 @@ class Drafter:
             raise DFlashError(_native.err_str(err))
         ids = list(toks[0:n])
         return (ids, logits) if return_logits else ids
+
+    def last_lattice(self) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash2: (cand [n, K], scores [n, K, K]) of the last draft; scores[k, a, b] is candidate b
+        of slot k after candidate a of slot k-1 (slot 0: after the anchor)."""
+        if self.info.version != 2:
+            raise DFlashError("only DFlash2 drafters have a candidate lattice")
+        K = self.info.selector_top_k
+        cand = np.empty((self.info.block_size, K), np.int32)
+        scores = np.empty((self.info.block_size, K, K), np.float32)
+        n = lib.dflash_drafter_last_lattice(self._d, ffi.from_buffer("int32_t[]", cand),
+                                            ffi.from_buffer("float[]", scores))
+        return cand[:n].copy(), scores[:n].copy()
 
     def close(self) -> None:
         if self._d is not None:

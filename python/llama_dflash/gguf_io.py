@@ -64,6 +64,7 @@ class DrafterConfig:
     selector_top_k: int = 0
     # drafts for M-RoPE targets carry degenerate sections [head_dim/2, 0, 0, 0]
     rope_sections: list[int] = field(default_factory=list)
+    n_vocab: int = 0  # only needed by the PyTorch reference of the DFlash2 selector
 
     @property
     def is_v2(self) -> bool:

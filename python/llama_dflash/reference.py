@@ -79,6 +79,36 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash2 two-sided grouped dynamic depthwise convolution over the block (docs §3.1).
+
+    Taps never reach across the block start; the context is never convolved.
+    """
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.k, self.g = cfg.conv_kernel_size, cfg.conv_group_size
+        self.n_groups = cfg.n_embd // self.g
+        base = torch.zeros(2, self.k, cfg.n_embd)
+        base[:, 0, :] = 1.0  # identity init
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(cfg.n_embd, 2 * self.k * self.n_groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def taps(self, u: torch.Tensor) -> torch.Tensor:
+        """Dynamic taps of every slot from the normed sub-layer input: [B, 2, K, G]."""
+        return self.kernel_projection(u).view(u.shape[0], 2, self.k, self.n_groups)
+
+    def apply(self, x: torch.Tensor, taps: torch.Tensor, side: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t in range(min(self.k, x.shape[0])):
+            kern = self.base_kernel[side, t] + taps[:, side, t].repeat_interleave(self.g, dim=-1)
+            shifted = torch.zeros_like(x)
+            shifted[t:] = x[: x.shape[0] - t]
+            out = out + kern * shifted
+        return out
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -86,6 +116,65 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.mlp = MLP(cfg)
+        if cfg.is_v2:
+            self.attention_conv = GroupedDynamicConv(cfg)
+            self.mlp_conv = GroupedDynamicConv(cfg)
+
+    def forward(self, h, ctx, ctx_pos, pos, mask):
+        u = self.input_layernorm(h)
+        if hasattr(self, "attention_conv"):
+            ta = self.attention_conv.taps(u)
+            a = self.self_attn(self.attention_conv.apply(u, ta, 0), ctx, ctx_pos, pos, mask)
+            h = h + self.attention_conv.apply(a, ta, 1)
+            v = self.post_attention_layernorm(h)
+            tm = self.mlp_conv.taps(v)
+            return h + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(v, tm, 0)), tm, 1)
+        h = h + self.self_attn(u, ctx, ctx_pos, pos, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2 candidate-path selector (docs §3.2): top-K per slot, low-rank edge scores, walk."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.n_vocab, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.n_vocab, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.n_embd, cfg.selector_rank, bias=False)
+
+    def lattice(self, z: torch.Tensor, unary: torch.Tensor, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """z [n, H] final-normed slot states, unary [n, V] -> (cand [n, K], scores [n, K_pred, K]).
+
+        scores[k, a, b] = Score_k(pred = candidate a of slot k-1, succ = candidate b of slot k);
+        slot 0's only predecessor is the anchor, broadcast over a.
+        """
+        vals, cand = unary.topk(self.top_k, dim=-1)
+        gate = self.hidden_projection(z)                       # [n, r]
+        succ = self.successor_codebook[cand]                   # [n, K, r]
+        pred = self.predecessor_codebook[cand]                 # [n, K, r]
+        prev = torch.cat([self.predecessor_codebook[anchor].expand(1, self.top_k, -1), pred[:-1]], 0)
+        scores = torch.einsum("nar,nr,nbr->nab", prev, gate, succ) + vals[:, None, :]
+        return cand, scores
+
+    @staticmethod
+    def walk(cand: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0,
+             generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor]:
+        """Greedy (T = 0) or sampled walk from the anchor; returns tokens and q [n, K]."""
+        prev, toks, qs = 0, [], []
+        for k in range(cand.shape[0]):
+            row = scores[k, prev]
+            if temperature <= 0:
+                j = int(torch.argmax(row))
+                q = torch.zeros_like(row)
+                q[j] = 1.0
+            else:
+                q = torch.softmax(row / temperature, -1)
+                j = int(torch.multinomial(q, 1, generator=generator))
+            toks.append(int(cand[k, j]))
+            qs.append(q)
+            prev = j
+        return toks, torch.stack(qs)
 
 
 class DFlashReference(nn.Module):
@@ -98,6 +187,8 @@ class DFlashReference(nn.Module):
         self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        if cfg.is_v2:
+            self.candidate_selector = CandidateSelector(cfg)
 
     def _mask(self, n_ctx: int, n_block: int, il: int) -> torch.Tensor | None:
         c = self.cfg
@@ -113,12 +204,8 @@ class DFlashReference(nn.Module):
             vis &= (qp - kp).abs() < c.sliding_window
         return torch.zeros(vis.shape).masked_fill(~vis, float("-inf"))
 
-    def forward(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor,
-                head: torch.Tensor) -> torch.Tensor:
-        """features [N, n_taps*H] of positions 0..N-1; block_tokens [B] at positions N..N+B-1.
-
-        Returns the logits [B-1, V] of slots 1..B-1 (after logit scale / softcap).
-        """
+    def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """Final-normed states [B-1, H] of slots 1..B-1."""
         c = self.cfg
         n_ctx, n_block = features.shape[0], block_tokens.shape[0]
         ctx = self.hidden_norm(self.fc(features))
@@ -126,22 +213,44 @@ class DFlashReference(nn.Module):
         pos = torch.arange(n_ctx, n_ctx + n_block)
         h = embed[block_tokens] * c.embedding_scale
         for il, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), ctx, ctx_pos, pos, self._mask(n_ctx, n_block, il))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.norm(h[1:]) @ head.T * c.logit_scale
+            h = layer(h, ctx, ctx_pos, pos, self._mask(n_ctx, n_block, il))
+        return self.norm(h[1:])
+
+    def logits(self, z: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = z @ head.T * c.logit_scale
         if c.softcap > 0:
             logits = c.softcap * torch.tanh(logits / c.softcap)
         return logits
 
+    def forward(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor,
+                head: torch.Tensor) -> torch.Tensor:
+        """features [N, n_taps*H] of positions 0..N-1; block_tokens [B] at positions N..N+B-1.
+
+        Returns the logits [B-1, V] of slots 1..B-1 (after logit scale / softcap).
+        """
+        return self.logits(self.hidden(features, block_tokens, embed), head)
+
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> DFlashReference:
+    def from_gguf(cls, path: str | os.PathLike, n_vocab: int | None = None) -> DFlashReference:
         cfg = read_drafter_config(path)
+        tensors = read_tensors(path)
+        if cfg.is_v2:
+            cfg.n_vocab = tensors["selector_predecessor.weight"].shape[0]
         model = cls(cfg)
-        model.load_state_dict(gguf_to_hf(read_tensors(path)), strict=True)
+        model.load_state_dict(gguf_to_hf(tensors), strict=True)
         return model
 
 
+_GGUF_TO_HF_TOP = {
+    "fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight",
+    "selector_predecessor.weight": "candidate_selector.predecessor_codebook",
+    "selector_successor.weight": "candidate_selector.successor_codebook",
+    "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
+}
 _GGUF_TO_HF = {
+    "attn_conv_base": "attention_conv.base_kernel", "attn_conv_proj": "attention_conv.kernel_projection.weight",
+    "ffn_conv_base": "mlp_conv.base_kernel", "ffn_conv_proj": "mlp_conv.kernel_projection.weight",
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
@@ -154,24 +263,20 @@ def gguf_to_hf(tensors: dict) -> dict[str, torch.Tensor]:
     out = {}
     for name, arr in tensors.items():
         t = torch.from_numpy(arr.copy())
-        if name == "fc.weight":
-            out["fc.weight"] = t
-        elif name == "enc.output_norm.weight":
-            out["hidden_norm.weight"] = t
-        elif name == "output_norm.weight":
-            out["norm.weight"] = t
+        if name in _GGUF_TO_HF_TOP:
+            out[_GGUF_TO_HF_TOP[name]] = t
         elif name.startswith("blk."):
-            _, il, kind, _ = name.split(".")
-            out[f"layers.{il}.{_GGUF_TO_HF[kind]}.weight"] = t
+            parts = name.split(".")
+            hf = _GGUF_TO_HF[parts[2]]
+            out[f"layers.{parts[1]}.{hf}" + ("" if hf.endswith((".weight", "base_kernel")) else ".weight")] = t
     return out
 
 
 def hf_to_reference(tensors: dict) -> dict[str, torch.Tensor]:
-    """HF checkpoint names (any published variant) -> reference parameter names (DFlash v1 part)."""
+    """HF checkpoint names (any published variant) -> reference parameter names."""
     out = {}
     for name, arr in tensors.items():
         n = name.removeprefix("model.")
         n = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}.get(n, n)
-        if n.startswith(("fc.", "hidden_norm.", "norm.")) or (n.startswith("layers.") and "_conv." not in n):
-            out[n] = torch.as_tensor(arr).float().clone()
+        out[n.removesuffix(".weight") if n.endswith("_codebook.weight") else n] = torch.as_tensor(arr).float().clone()
     return out

@@ -53,6 +53,14 @@ class UpstreamDrafter:
         self.softcap = float(self._meta("dflash.final_logit_softcapping") or 0.0)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_past = 0
+        # DFlash2: upstream returns the candidate lattice through the nextn embeddings
+        self.top_k = int(self._meta("dflash.selector_top_k") or 0)
+        self.n_embd = llama_cpp.llama_model_n_embd(self.model)
+        if self.top_k:
+            from llama_cpp import llama_cpp_ext
+
+            llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, False)
+            self._ext = llama_cpp_ext
 
     def _meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(128)
@@ -95,6 +103,25 @@ class UpstreamDrafter:
         # The noise block must not stay in the drafter's cache.
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, self.n_past, -1)
         return out
+
+    def lattice(self, anchor: int, mask_id: int, n: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """DFlash2: (cand [n, K], scores [n, K, K], greedy walk) from upstream's graph.
+
+        Row p of upstream's output is [K candidate ids as float][K x K scores, predecessor-major];
+        slot 1's scores are the anchor row broadcast.
+        """
+        assert self.top_k
+        self.draft(anchor, mask_id, n, return_logits=False)
+        K = self.top_k
+        rows = np.ctypeslib.as_array(self._ext.llama_get_embeddings_nextn(self.ctx), (n + 1, self.n_embd)).copy()
+        cand = rows[1:, :K].astype(np.int32)
+        scores = rows[1:, K:K + K * K].reshape(n, K, K)
+        prev, toks = 0, []
+        for k in range(n):
+            j = int(np.argmax(scores[k, prev]))
+            toks.append(int(cand[k, j]))
+            prev = j
+        return cand, scores, toks
 
     def close(self) -> None:
         llama_cpp.llama_free(self.ctx)

@@ -1,0 +1,170 @@
+"""DFlash2 in our graph: convolution + candidate selector vs the PyTorch reference and upstream."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from llama_dflash import SpeculativeGenerator
+from llama_dflash.convert import convert_hf_to_gguf
+from llama_dflash.drafter import Drafter
+from llama_dflash.gguf_io import read_tensors
+from llama_dflash.reference import DFlashReference
+from llama_dflash.upstream import UpstreamDrafter
+
+from hf_fixtures import GROUP, K_CONV, RANK, TOPK, VARIANTS, hf_tensors, make_variant, write_checkpoint
+from models import MASK_ID
+
+ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def v2(artifacts, tmp_path_factory):
+    d = tmp_path_factory.mktemp("v2")
+    hf, _, _ = make_variant(d, "v2")
+    out = d / "v2.gguf"
+    convert_hf_to_gguf(hf, artifacts["llama"]["target"], out, outtype="f32")
+    return out
+
+
+def align(ours: np.ndarray, theirs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Orders that sort each slot's candidate ids (top-k order is unspecified)."""
+    return np.argsort(ours), np.argsort(theirs)
+
+
+def compare_lattice(cand, scores, rcand, rscores, tol):
+    n = cand.shape[0]
+    for k in range(n):
+        o, r = align(cand[k], rcand[k])
+        assert (cand[k][o] == rcand[k][r]).all(), f"slot {k}: candidates differ"
+        if k == 0:
+            err = np.abs(scores[0, 0][o] - rscores[0, 0][r]).max()
+        else:
+            po, pr = align(cand[k - 1], rcand[k - 1])
+            err = np.abs(scores[k][np.ix_(po, o)] - rscores[k][np.ix_(pr, r)]).max()
+        assert err < tol, f"slot {k}: lattice differs by {err}"
+
+
+def test_graph_matches_reference(artifacts, load_model, v2):
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    d = Drafter(v2, model, n_ctx=512, n_threads=2)
+    assert d.info.version == 2 and d.info.selector_top_k == TOPK and d.info.conv_group_size == GROUP
+    ref = DFlashReference.from_gguf(v2)
+    embed = torch.from_numpy(read_tensors(a["target"], ["token_embd.weight"])["token_embd.weight"].copy())
+    feats = np.random.default_rng(0).standard_normal((300, 192)).astype(np.float32)
+    done = 0
+    rng = np.random.default_rng(1)
+    for n_new, n in [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)]:  # a context growing over steps
+        d.push(feats[done:done + n_new])
+        done += n_new
+        anchor = int(rng.integers(20, 1000))
+        toks, logits = d.draft(anchor, n, return_logits=True)
+        cand, scores = d.last_lattice()
+        with torch.no_grad():
+            z = ref.hidden(torch.from_numpy(feats[:done]), torch.tensor([anchor] + [MASK_ID] * n), embed)
+            lg = ref.logits(z, embed)
+            rcand, rscores = ref.candidate_selector.lattice(z, lg, anchor)
+            rtoks, q = ref.candidate_selector.walk(rcand, rscores)
+        assert np.abs(logits - lg.numpy()).max() < ATOL
+        compare_lattice(cand, scores, rcand.numpy(), rscores.numpy(), ATOL)
+        assert toks == rtoks
+        assert (q.sum(-1) == 1).all()  # greedy rows emit a one-hot q
+    d.close()
+
+
+def test_identity_conv_and_zero_selector_is_v1(artifacts, load_model, tmp_path):
+    """With identity convolutions and zero pairwise scores, DFlash2 proposes what DFlash v1 proposes."""
+    a = artifacts["llama"]
+    cfg2, _ = VARIANTS["v2"]
+    t2 = hf_tensors(cfg2, seed=5)
+    for k in list(t2):
+        if k.endswith("base_kernel"):
+            t2[k] = np.zeros_like(t2[k])
+            t2[k][:, 0, :] = 1.0
+        elif k.endswith("kernel_projection.weight") or k.endswith("hidden_projection.weight"):
+            t2[k] = np.zeros_like(t2[k])
+    cfg1 = json.loads(json.dumps(cfg2))
+    cfg1["architectures"] = ["DFlashDraftModel"]
+    t1 = {k: v for k, v in t2.items() if "_conv." not in k and not k.startswith("candidate_selector")}
+    write_checkpoint(tmp_path / "hf1", cfg1, t1)
+    write_checkpoint(tmp_path / "hf2", cfg2, t2)
+    convert_hf_to_gguf(tmp_path / "hf1", a["target"], tmp_path / "v1.gguf", outtype="f32")
+    convert_hf_to_gguf(tmp_path / "hf2", a["target"], tmp_path / "v2.gguf", outtype="f32")
+    model = load_model(a["target"])
+    d1 = Drafter(tmp_path / "v1.gguf", model, n_ctx=256, n_threads=2)
+    d2 = Drafter(tmp_path / "v2.gguf", model, n_ctx=256, n_threads=2)
+    feats = np.random.default_rng(2).standard_normal((60, 192)).astype(np.float32)
+    d1.push(feats)
+    d2.push(feats)
+    for anchor in (30, 400, 777):
+        t1_, l1 = d1.draft(anchor, 7, return_logits=True)
+        t2_, l2 = d2.draft(anchor, 7, return_logits=True)
+        assert np.abs(l1 - l2).max() < 1e-4
+        assert t1_ == t2_
+    d1.close()
+    d2.close()
+
+
+def test_same_as_upstream(artifacts, load_model, v2):
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    ours = Drafter(v2, model, n_ctx=512, n_threads=2)
+    up = UpstreamDrafter(str(v2), model, n_ctx=512)
+    feats = np.random.default_rng(3).standard_normal((200, 192)).astype(np.float32)
+    done = 0
+    for n_new, n in [(20, 7), (3, 3), (100, 7), (1, 1)]:
+        ours.push(feats[done:done + n_new])
+        up.push(feats[done:done + n_new])
+        done += n_new
+        toks = ours.draft(99, n)
+        cand, scores = ours.last_lattice()
+        ucand, uscores, utoks = up.lattice(99, MASK_ID, n)
+        compare_lattice(cand, scores, ucand, uscores, 1e-4)
+        assert toks == utoks
+    up.close()
+    ours.close()
+
+
+def test_greedy_identity_with_dflash2(artifacts, v2):
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], v2, n_ctx=512) as g:
+        assert g.drafter_info.version == 2
+        for p in ["def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "Dear Sir or Madam,"]:
+            toks = g.tokenize(p)
+            plain = g.generate(toks, 48, draft_len=0, stop_on_eos=False, return_margins=True)
+            for n in (1, 3, 7):
+                spec = g.generate(toks, 48, draft_len=n, stop_on_eos=False)
+                i = next((k for k, (x, y) in enumerate(zip(plain.tokens, spec.tokens, strict=True)) if x != y), None)
+                assert i is None or plain.margins[i] < 0.05, f"diverged at {i}, margin {plain.margins[i]}"
+                assert spec.stats.drafted > 0 and 1 <= spec.stats.tau <= n + 1
+                with pytest.raises(Exception, match="exceeds the drafter's block"):
+                    g.generate(toks, 4, draft_len=8)
+
+
+def test_dflash2_errors(artifacts, tmp_path):
+    from llama_dflash import DFlashError
+    from llama_dflash.gguf_io import read_drafter_config, write_drafter
+
+    a = artifacts["llama"]
+    hf, _, _ = make_variant(tmp_path, "v2")
+    good = tmp_path / "g.gguf"
+    convert_hf_to_gguf(hf, a["target"], good, outtype="f32")
+    cfg = read_drafter_config(good)
+    t = read_tensors(good)
+    # selector tensors present but no DFlash2 keys
+    bad = read_drafter_config(good)
+    bad.selector_top_k = 0
+    write_drafter(tmp_path / "k.gguf", bad, t, a["target"])
+    with pytest.raises(DFlashError, match="DFlash2 drafter is missing conv/selector key 'dflash.conv_kernel_size'"):
+        SpeculativeGenerator(a["target"], tmp_path / "k.gguf")
+    # a conv projection of the wrong width
+    t2 = dict(t)
+    t2["blk.1.ffn_conv_proj.weight"] = np.zeros((8, 64), np.float32)
+    write_drafter(tmp_path / "s.gguf", cfg, t2, a["target"])
+    with pytest.raises(DFlashError, match="'blk.1.ffn_conv_proj.weight' has shape"):
+        SpeculativeGenerator(a["target"], tmp_path / "s.gguf")
+    assert K_CONV == 2 and RANK == 8
