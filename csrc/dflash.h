@@ -107,6 +107,22 @@ int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n,
                              int32_t * out_tokens, float * out_logits,
                              char * err, size_t err_len);
 
+/* Random state of the sampled paths (xoshiro256**). */
+struct dflash_rng {
+    uint64_t s[4];
+};
+
+#define DFLASH_V1_SAMPLE_K 32
+
+/* Draft by sampling at temperature T > 0 and return the proposal q:
+ * DFlash v1 samples each slot independently from softmax(logits / T) over its
+ * DFLASH_V1_SAMPLE_K best tokens; DFlash2 walks the lattice, sampling each slot
+ * from softmax(scores[prev] / T).  out_cand / out_q: n x k candidate ids and
+ * their proposal probabilities (k returned in *out_k). */
+int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
+                                    struct dflash_rng * rng, int32_t * out_tokens, int32_t * out_cand,
+                                    float * out_q, int32_t * out_k, char * err, size_t err_len);
+
 /* DFlash2: the candidate lattice of the last draft of n tokens.  cand: n x K
  * token ids; scores: n x K x K, scores[k][a][b] = score of candidate b of slot
  * k after candidate a of slot k-1 (slot 0: the anchor, same row for every a).
@@ -159,12 +175,27 @@ struct dflash_stats {
     double  t_verify_s;
     double  t_total_s;     /* decode phase: after prefill until the end */
     int32_t stop_reason;   /* 1 = eos, 2 = max_tokens */
+    int32_t mode;          /* the verify mode that ran */
+};
+
+enum dflash_verify_mode {
+    DFLASH_VERIFY_GREEDY    = 0, /* argmax; token-identical to plain greedy decoding */
+    DFLASH_VERIFY_MATCH     = 1, /* rows sampled with the request's llama.cpp sampler chain; drafts kept
+                                    while equal to the sample (same seed => same text as plain) */
+    DFLASH_VERIFY_REJECTION = 2  /* speculative rejection sampling with the drafter's q */
 };
 
 struct dflash_engine_params {
     int32_t n_draft;       /* draft length per step (0 = plain decoding) */
     int32_t max_tokens;
     bool    stop_on_eos;
+    int32_t mode;          /* enum dflash_verify_mode */
+    /* MATCH: the full chain (ending in a dist sampler).  REJECTION: the chain's
+     * transforms only (penalties, grammar, top-k/p, min-p, temperature; no dist):
+     * p is the softmax of what survives.  Committed tokens are accepted into it. */
+    struct llama_sampler * sampler;
+    float    temperature;  /* REJECTION: temperature of the drafter's q */
+    uint64_t seed;         /* REJECTION: seed of the accept / resample draws */
 };
 
 /* State after one verify step, for tracing and invariant checks. */

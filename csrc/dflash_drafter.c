@@ -328,7 +328,7 @@ static void build_selector(const struct dflash_drafter * d, struct dflash_graph 
 // Build the graph: inject n_feat pending rows, then (if n_block > 0) run the
 // block at positions [a, a + n_block).
 static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int32_t n_feat,
-                        int32_t n_block, bool want_logits) {
+                        int32_t n_block, bool want_logits, bool want_topk) {
     const struct dflash_drafter_info * hp = &d->hp;
     memset(G, 0, sizeof(*G));
     struct ggml_init_params ip = { d->meta_size, d->meta_buf, true };
@@ -442,6 +442,17 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
         build_selector(d, G, ctx, z, logits);
         return true;
     }
+    if (want_topk) {
+        // v1 sampling: the DFLASH_V1_SAMPLE_K best tokens of each slot and their logits
+        const int64_t K = DFLASH_V1_SAMPLE_K < logits->ne[0] ? DFLASH_V1_SAMPLE_K : logits->ne[0];
+        G->cand = ggml_top_k(ctx, logits, (int) K);
+        G->scores = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, logits->ne[0], logits->ne[1]), G->cand);
+        ggml_set_output(G->cand);
+        ggml_set_output(G->scores);
+        ggml_build_forward_expand(G->gf, G->cand);
+        ggml_build_forward_expand(G->gf, G->scores);
+        return true;
+    }
     G->argmax = ggml_argmax(ctx, logits);
     ggml_set_output(G->argmax);
     ggml_build_forward_expand(G->gf, G->argmax);
@@ -462,11 +473,41 @@ static void fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool 
 
 // Run inject(n_feat rows from pending) [+ block]; on success the injected rows
 // become cached.
+// A sampled draft (T > 0): its temperature, random state and proposal outputs.
+struct dflash_sample_req {
+    float temperature;
+    struct dflash_rng * rng;
+    int32_t * cand;   // n x k
+    float * q;        // n x k
+    int32_t k;
+};
+
+// Sample index j ~ softmax(x / T) over x[0..k); q receives the probabilities.
+static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q) {
+    float mx = x[0];
+    for (int32_t j = 1; j < k; j++) mx = x[j] > mx ? x[j] : mx;
+    double sum = 0.0;
+    for (int32_t j = 0; j < k; j++) {
+        q[j] = expf((x[j] - mx) / T);
+        sum += q[j];
+    }
+    const double u = dflash_rng_uniform(rng) * sum;
+    double c = 0.0;
+    int32_t pick = k - 1;
+    for (int32_t j = 0; j < k; j++) {
+        c += q[j];
+        if (u < c && pick == k - 1) pick = j;
+        q[j] = (float) (q[j] / sum);
+    }
+    return pick;
+}
+
 static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anchor, int32_t n_block,
-                         int32_t * out_tokens, float * out_logits, char * err, size_t err_len) {
+                         int32_t * out_tokens, float * out_logits, struct dflash_sample_req * samp,
+                         char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &d->hp;
     struct dflash_graph G;
-    if (!build_graph(d, &G, n_feat, n_block, out_logits != NULL)) {
+    if (!build_graph(d, &G, n_feat, n_block, out_logits != NULL, samp && hp->version == 1)) {
         dflash_seterr(err, err_len, "failed to build the drafter graph");
         return -1;
     }
@@ -530,12 +571,32 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         for (int32_t k = 0; k < n; k++) {
             const float * row = d->last_scores + ((size_t) k * K + prev) * K;
             int32_t best = 0;
-            for (int32_t j = 1; j < K; j++) {
-                if (row[j] > row[best]) best = j;
+            if (samp) {
+                // sampled walk: q conditioned on the drafted predecessor
+                best = sample_softmax(row, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
+                memcpy(samp->cand + (size_t) k * K, d->last_cand + (size_t) k * K, sizeof(int32_t) * K);
+            } else {
+                for (int32_t j = 1; j < K; j++) {
+                    if (row[j] > row[best]) best = j;
+                }
             }
             out_tokens[k] = d->last_cand[k * K + best];
             prev = best;
         }
+        if (samp) samp->k = K;
+    } else if (n_block > 0 && samp) {
+        // v1: every slot sampled independently from its top candidates
+        const int32_t n = n_block - 1, K = (int32_t) G.cand->ne[0];
+        float * lg = malloc(sizeof(float) * (size_t) n * K);
+        ggml_backend_tensor_get(G.cand, samp->cand, 0, sizeof(int32_t) * (size_t) n * K);
+        ggml_backend_tensor_get(G.scores, lg, 0, sizeof(float) * (size_t) n * K);
+        for (int32_t k = 0; k < n; k++) {
+            const int32_t j = sample_softmax(lg + (size_t) k * K, K, samp->temperature, samp->rng,
+                                             samp->q + (size_t) k * K);
+            out_tokens[k] = samp->cand[(size_t) k * K + j];
+        }
+        free(lg);
+        samp->k = K;
     } else if (n_block > 0) {
         ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (n_block - 1));
     }
@@ -935,7 +996,7 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         if (d->n_cached < 0) d->n_cached = 0;
         struct dflash_graph G;
         int32_t n_block = hp->block_size <= n_ctx ? hp->block_size : n_ctx;
-        if (n_block >= 2 && build_graph(d, &G, n_feat, n_block, true)) {
+        if (n_block >= 2 && build_graph(d, &G, n_feat, n_block, true, false)) {
             if (!ggml_backend_sched_reserve(d->sched, G.gf)) {
                 dflash_seterr(err, err_len, "out of memory reserving the drafter compute buffer");
                 ok = false;
@@ -1006,7 +1067,7 @@ int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_ro
     }
     while (n_rows > 0) {
         if (d->n_pending == d->pending_cap) {
-            if (run_graph(d, d->n_pending, 0, 0, NULL, NULL, err, err_len) != 0) return -1;
+            if (run_graph(d, d->n_pending, 0, 0, NULL, NULL, NULL, err, err_len) != 0) return -1;
         }
         int32_t take = d->pending_cap - d->n_pending;
         if (take > n_rows) take = n_rows;
@@ -1019,21 +1080,40 @@ int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_ro
     return 0;
 }
 
-int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, int32_t * out_tokens,
-                             float * out_logits, char * err, size_t err_len) {
+static bool check_draft_args(const dflash_drafter * d, int32_t anchor, int32_t n, char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &d->hp;
     if (n < 1 || n > hp->block_size - 1) {
         dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, hp->block_size - 1, hp->block_size);
-        return -1;
+        return false;
     }
     if (anchor < 0 || anchor >= hp->n_vocab) {
         dflash_seterr(err, err_len, "anchor token %d is outside the vocabulary", anchor);
-        return -1;
+        return false;
     }
     if (d->n_cached + d->n_pending + n + 1 > hp->n_ctx) {
         dflash_seterr(err, err_len, "drafter context overflow: %d positions + block %d exceed n_ctx %d",
                       d->n_cached + d->n_pending, n + 1, hp->n_ctx);
+        return false;
+    }
+    return true;
+}
+
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, int32_t * out_tokens,
+                             float * out_logits, char * err, size_t err_len) {
+    if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
+    return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, NULL, err, err_len);
+}
+
+int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
+                                    struct dflash_rng * rng, int32_t * out_tokens, int32_t * out_cand,
+                                    float * out_q, int32_t * out_k, char * err, size_t err_len) {
+    if (!(temperature > 0.0f)) {
+        dflash_seterr(err, err_len, "sampled drafting needs a temperature > 0 (got %g)", (double) temperature);
         return -1;
     }
-    return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, err, err_len);
+    if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
+    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0 };
+    if (run_graph(d, d->n_pending, anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
+    *out_k = req.k;
+    return 0;
 }

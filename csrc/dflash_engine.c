@@ -30,6 +30,10 @@ struct dflash_engine {
     struct llama_batch batch;
     int32_t * history;     // committed tokens
     int32_t history_cap;
+    // sampled verification (T > 0)
+    float * p;                 // target distribution of one row, dense [n_vocab]
+    llama_token_data * cur;    // candidates handed to the sampler transforms
+    struct dflash_rng rng;
 };
 
 dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
@@ -67,6 +71,13 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
     e->drafter = d;
     e->capture = c;
     e->batch = llama_batch_init(e->n_batch > DFLASH_MAX_DRAFT + 1 ? e->n_batch : DFLASH_MAX_DRAFT + 1, 0, 1);
+    e->p = malloc(sizeof(float) * (size_t) e->n_vocab);
+    e->cur = malloc(sizeof(llama_token_data) * (size_t) e->n_vocab);
+    if (!e->p || !e->cur) {
+        dflash_engine_free(e);
+        dflash_seterr(err, err_len, "out of memory");
+        return NULL;
+    }
     return e;
 }
 
@@ -74,6 +85,8 @@ void dflash_engine_free(dflash_engine * e) {
     if (!e) return;
     llama_batch_free(e->batch);
     free(e->history);
+    free(e->p);
+    free(e->cur);
     free(e);
 }
 
@@ -169,6 +182,65 @@ int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_
     return 0;
 }
 
+// The target's sampling distribution for one verify row: the request's transforms
+// (penalties, grammar, top-k/p, min-p, temperature, ...) applied to the row's logits,
+// then the softmax of what survives -- exactly what the chain's dist sampler draws from.
+static void target_probs(struct dflash_engine * e, int32_t row, struct llama_sampler * transforms) {
+    const float * lg = llama_get_logits_ith(e->ctx, row);
+    for (int32_t v = 0; v < e->n_vocab; v++) {
+        e->cur[v].id = v;
+        e->cur[v].logit = lg[v];
+        e->cur[v].p = 0.0f;
+    }
+    llama_token_data_array arr = { e->cur, (size_t) e->n_vocab, -1, false };
+    if (transforms) llama_sampler_apply(transforms, &arr);
+    memset(e->p, 0, sizeof(float) * (size_t) e->n_vocab);
+    float mx = -INFINITY;
+    for (size_t i = 0; i < arr.size; i++) mx = arr.data[i].logit > mx ? arr.data[i].logit : mx;
+    if (!isfinite(mx)) return; // everything masked: sample_dense falls back to the argmax
+    double sum = 0.0;
+    for (size_t i = 0; i < arr.size; i++) {
+        const float l = arr.data[i].logit;
+        if (isfinite(l)) sum += exp((double) l - mx);
+    }
+    for (size_t i = 0; i < arr.size; i++) {
+        const float l = arr.data[i].logit;
+        if (isfinite(l)) e->p[arr.data[i].id] = (float) (exp((double) l - mx) / sum);
+    }
+}
+
+// Inverse-CDF draw from a dense non-negative vector (not necessarily normalised).
+static int32_t sample_dense(const float * w, int32_t n, double total, struct dflash_rng * rng) {
+    const double u = dflash_rng_uniform(rng) * total;
+    double c = 0.0;
+    int32_t last = -1;
+    for (int32_t v = 0; v < n; v++) {
+        if (w[v] <= 0.0f) continue;
+        c += w[v];
+        last = v;
+        if (u < c) return v;
+    }
+    return last >= 0 ? last : 0;
+}
+
+// One committed token of row `row` in greedy or match mode (match: the chain
+// samples it and accepts it into its own state).
+static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_params * prm, int32_t row,
+                          float * margin) {
+    if (prm->mode == DFLASH_VERIFY_MATCH) {
+        *margin = NAN;
+        return llama_sampler_sample(prm->sampler, e->ctx, row);
+    }
+    if (prm->mode == DFLASH_VERIFY_REJECTION) {
+        *margin = NAN;
+        target_probs(e, row, prm->sampler);
+        const int32_t tok = sample_dense(e->p, e->n_vocab, 1.0, &e->rng);
+        if (prm->sampler) llama_sampler_accept(prm->sampler, tok);
+        return tok;
+    }
+    return argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
+}
+
 static int32_t target_len(const struct dflash_engine * e) {
     return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
 }
@@ -203,6 +275,22 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                           info.block_size, info.block_size - 1);
             return -1;
         }
+    }
+    if (params->mode < DFLASH_VERIFY_GREEDY || params->mode > DFLASH_VERIFY_REJECTION) {
+        dflash_seterr(err, err_len, "unknown verify mode %d", params->mode);
+        return -1;
+    }
+    if (params->mode == DFLASH_VERIFY_MATCH && !params->sampler) {
+        dflash_seterr(err, err_len, "match verification needs a sampler chain");
+        return -1;
+    }
+    if (params->mode == DFLASH_VERIFY_REJECTION && n_draft > 0 && (e->draft_fn || !e->drafter)) {
+        dflash_seterr(err, err_len, "rejection sampling needs the DFlash drafter's proposal q (not an external source)");
+        return -1;
+    }
+    if (params->mode == DFLASH_VERIFY_REJECTION && !(params->temperature > 0.0f)) {
+        dflash_seterr(err, err_len, "rejection sampling needs a temperature > 0 (got %g)", (double) params->temperature);
+        return -1;
     }
     if (n_prompt > e->n_ctx) {
         dflash_seterr(err, err_len, "the prompt has %d tokens but n_ctx is %d", n_prompt, e->n_ctx);
@@ -239,8 +327,10 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
         if (decode(e, prompt + p, n, p, p + n == n_prompt ? n - 1 : n, &feats, err, err_len) != 0) return -1;
         if (e->drafter && dflash_drafter_push(e->drafter, feats, n, err, err_len) != 0) return -1;
     }
+    dflash_rng_seed(&e->rng, params->seed);
+    st->mode = params->mode;
     float margin = 0.0f;
-    int32_t tok = argmax_margin(llama_get_logits_ith(e->ctx, -1), e->n_vocab, &margin);
+    int32_t tok = pick_token(e, params, -1, &margin);
     const double t1 = dflash_now();
     st->t_prefill_s = t1 - t0;
 
@@ -254,6 +344,11 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
 
     int32_t drafts[DFLASH_MAX_DRAFT + 1];
     int32_t verify[DFLASH_MAX_DRAFT + 1];
+    const bool rejection = params->mode == DFLASH_VERIFY_REJECTION;
+    // rejection: the drafter's proposal, n x k candidates with their q
+    int32_t q_cand[DFLASH_MAX_DRAFT * 64];
+    float q_prob[DFLASH_MAX_DRAFT * 64];
+    int32_t q_k = 0;
     while (!eos && n_gen < max_tokens) {
         // Never draft past the token budget or the context.
         int32_t n = n_draft;
@@ -277,6 +372,10 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                         return -1;
                     }
                 }
+            } else if (e->drafter && rejection) {
+                if (dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, drafts, q_cand,
+                                                q_prob, &q_k, err, err_len) != 0) return -1;
+                n_drafted = n;
             } else if (e->drafter) {
                 if (dflash_drafter_draft(e->drafter, anchor, n, drafts, NULL, err, err_len) != 0) return -1;
                 n_drafted = n;
@@ -289,11 +388,42 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
         const float * feats = NULL;
         if (decode(e, verify, n_drafted + 1, n_past, 0, &feats, err, err_len) != 0) return -1;
 
-        // Accept the longest prefix of drafts that greedy decoding reproduces,
-        // then the target's own token at the first disagreement (or the bonus).
         int32_t n_acc = 0;
         for (int32_t i = 0; i <= n_drafted; i++) {
-            tok = argmax_margin(llama_get_logits_ith(e->ctx, i), e->n_vocab, &margin);
+            bool keep_going;
+            if (rejection && i < n_drafted) {
+                // Speculative sampling: keep d_i with probability min(1, p(d_i) / q(d_i)); at the
+                // first rejection draw from the residual max(0, p - q) (or p when it is empty).
+                target_probs(e, i, params->sampler);
+                const int32_t * c = q_cand + (size_t) i * q_k;
+                const float * q = q_prob + (size_t) i * q_k;
+                float qd = 0.0f;
+                for (int32_t j = 0; j < q_k; j++) qd += c[j] == drafts[i] ? q[j] : 0.0f;
+                if (dflash_rng_uniform(&e->rng) * qd < e->p[drafts[i]]) {
+                    tok = drafts[i];
+                    keep_going = true;
+                } else {
+                    for (int32_t j = 0; j < q_k; j++) {
+                        const float r = e->p[c[j]] - q[j];
+                        e->p[c[j]] = r > 0.0f ? r : 0.0f;
+                    }
+                    double total = 0.0;
+                    for (int32_t v = 0; v < e->n_vocab; v++) total += e->p[v];
+                    if (total <= 0.0) {
+                        target_probs(e, i, params->sampler);
+                        total = 1.0;
+                    }
+                    tok = sample_dense(e->p, e->n_vocab, total, &e->rng);
+                    keep_going = false;
+                }
+                if (params->sampler) llama_sampler_accept(params->sampler, tok);
+                margin = NAN;
+            } else {
+                // Greedy / match: the target's own token for row i (the bonus after the last draft);
+                // drafts are kept while they equal it.
+                tok = pick_token(e, params, i, &margin);
+                keep_going = i < n_drafted && drafts[i] == tok;
+            }
             out_tokens[n_gen] = tok;
             if (out_margins) out_margins[n_gen] = margin;
             n_gen++;
@@ -302,7 +432,7 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                 eos = true;
                 break;
             }
-            if (i == n_drafted || drafts[i] != tok) break;
+            if (!keep_going) break;
             n_acc++;
         }
         const double tc = dflash_now();

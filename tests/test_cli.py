@@ -34,6 +34,15 @@ def test_generate_json(artifacts, tmp_path):
     p = json.loads(plain.stdout)
     assert p["stats"]["drafted"] == 0 and p["stats"]["steps"] == 23
     assert p["tokens"] == out["tokens"]
+    # sampling flags: the mode is recorded; match mode with a seed repeats itself
+    args = ["generate", "--model", a["target"], "--drafter", a["drafter"], "--prompt", "Hello", "--max-tokens", "12",
+            "--n-ctx", "256", "--temperature", "3", "--top-k", "20", "--seed", "7", "--json"]
+    r1, r2 = run(*args, "--mode", "match"), run(*args, "--mode", "match")
+    assert r1.returncode == 0, r1.stderr
+    s1, s2 = json.loads(r1.stdout), json.loads(r2.stdout)
+    assert s1["stats"]["mode"] == "match" and s1["tokens"] == s2["tokens"]
+    r3 = run(*args, "--mode", "rejection")
+    assert r3.returncode == 0 and json.loads(r3.stdout)["stats"]["mode"] == "rejection"
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -46,6 +55,8 @@ def test_generate_json(artifacts, tmp_path):
     (["generate", "--model", "{target}", "--prompt", "x " * 300, "--n-ctx", "256"], "but n_ctx is 256"),
     (["generate", "--model", "{target}"], "one of the arguments --prompt --prompt-file is required"),
     (["generate", "--model", "{target}", "--prompt", "x", "--max-tokens", "zero"], "invalid int value"),
+    (["generate", "--model", "{target}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--model", "{target}", "--prompt", "x", "--mode", "best"], "invalid choice"),
 ])
 def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
     a = artifacts["llama"]

@@ -27,6 +27,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (token-identical to plain)")
+    p.add_argument("--mode", choices=["match", "rejection"], default="match",
+                   help="T > 0 verification: match (same seed => same text as plain) or rejection (higher acceptance)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default: random")
+
+
+def _sampling(a: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                          repeat_penalty=a.repeat_penalty, seed=a.seed, mode=a.mode)
+
+
 def _stats_json(res) -> dict:
     s = res.stats
     d = s.as_dict()
@@ -35,7 +53,7 @@ def _stats_json(res) -> dict:
 
 
 def _summary(label: str, s) -> str:
-    return (f"{label}: {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
+    return (f"{label} ({s.mode}): {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
             f"accepted {s.accepted}/{s.drafted}, draft {s.t_draft_s * 1e3:.0f} ms, "
             f"verify {s.t_verify_s * 1e3:.0f} ms, other {s.t_other_s * 1e3:.0f} ms")
 
@@ -51,7 +69,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         prompt = a.prompt
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
-        res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len)
+        res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a))
     if a.json:
         print(json.dumps(_stats_json(res)))
     else:
@@ -166,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     _add_common(g)
+    _add_sampling(g)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)

@@ -14,6 +14,7 @@ from llama_cpp import _logger
 from . import _native
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter, DrafterInfo, check_file
+from .sampling import SamplingParams, build_chain
 from .stats import SpecStats
 
 DraftSource = Callable[[Sequence[int], int], Sequence[int]]
@@ -173,12 +174,19 @@ class SpeculativeGenerator:
         stop_on_eos: bool = True,
         return_margins: bool = False,
         on_step: StepCallback | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy speculative generation (token-identical to plain greedy decoding).
+        """Speculative generation whose output is distributed exactly as plain decoding's.
 
-        draft_len: tokens drafted per step (default: the drafter's block - 1;
-        0 decodes plainly).  draft_source replaces the DFlash drafter with a
-        Python callable.  on_step receives each step's cache state.
+        Greedy by default (token-identical to plain greedy decoding).  With
+        ``sampling`` at temperature > 0, mode "match" samples every verify row with
+        the request's llama.cpp sampler chain (same seed => same text as plain
+        decoding); mode "rejection" uses speculative rejection sampling with the
+        drafter's proposal q (higher acceptance, same distribution, different
+        random stream).  draft_len: tokens drafted per step (default: the
+        drafter's block - 1; 0 decodes plainly).  draft_source replaces the
+        DFlash drafter with a Python callable.  on_step receives each step's
+        cache state.
         """
         if self._engine is None:
             raise DFlashError("generator is closed")
@@ -219,8 +227,21 @@ class SpeculativeGenerator:
         lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
         lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
 
+        sp = sampling or SamplingParams()
+        chain = None
+        if sp.is_plain_greedy:
+            mode = lib.DFLASH_VERIFY_GREEDY
+        elif sp.temperature == 0 or sp.mode == "match":
+            mode = lib.DFLASH_VERIFY_MATCH
+            chain = build_chain(sp, self._model, self._vocab, self.n_vocab, with_dist=True)
+        else:
+            mode = lib.DFLASH_VERIFY_REJECTION
+            chain = build_chain(sp, self._model, self._vocab, self.n_vocab, with_dist=False)
+        seed = sp.seed if sp.seed != 0xFFFFFFFF else int.from_bytes(os.urandom(8), "little")
         params = ffi.new("struct dflash_engine_params *",
-                         {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos})
+                         {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
+                          "mode": mode, "temperature": sp.temperature, "seed": seed,
+                          "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
         out = ffi.new("int32_t[]", max_tokens)
         margins = ffi.new("float[]", max_tokens) if return_margins else ffi.NULL
@@ -232,6 +253,8 @@ class SpeculativeGenerator:
         finally:
             lib.dflash_engine_set_draft_fn(self._engine, ffi.NULL, ffi.NULL)
             lib.dflash_engine_set_step_fn(self._engine, ffi.NULL, ffi.NULL)
+            if chain is not None:
+                chain.close()
         if errors:
             raise errors[0]
         if n < 0:
@@ -239,6 +262,7 @@ class SpeculativeGenerator:
         toks = list(out[0:n])
         kind = "external" if draft_source else ("dflash" if self._drafter and draft_len > 0 else "none")
         stats = SpecStats.from_c(st, draft_len, kind)
+        stats.mode = {0: "greedy", 1: "match", 2: "rejection"}[st.mode]
         return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats,
                                 margins=list(margins[0:n]) if return_margins else None)
 

@@ -30,6 +30,7 @@ class SpecStats:
     stop_reason: str = ""
     draft_len: int = 0
     drafter: str = "none"
+    mode: str = "greedy"  # greedy | match | rejection
 
     @property
     def tau(self) -> float:
