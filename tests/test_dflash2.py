@@ -76,6 +76,43 @@ def test_graph_matches_reference(artifacts, load_model, v2):
     d.close()
 
 
+def test_sampled_walk_q(artifacts, load_model, v2):
+    """T > 0: each slot's q is softmax(scores[prev] / T) for the drafted predecessor, sums to 1,
+    and the walk's frequencies follow q."""
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    d = Drafter(v2, model, n_ctx=256, n_threads=2)
+    feats = np.random.default_rng(4).standard_normal((30, 192)).astype(np.float32)
+    d.push(feats)
+    T = 1.5
+    d.draft(77, 5)
+    cand, scores = d.last_lattice()  # the lattice does not depend on the draw
+    counts = {}
+    for seed in range(400):
+        toks, c, q = d.draft_sample(77, 5, T, seed)
+        assert (c == cand).all() and np.allclose(q.sum(1), 1.0, atol=1e-5)
+        prev = 0
+        for k in range(5):
+            j = list(c[k]).index(toks[k])
+            x = scores[k, prev] / T
+            want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+            assert np.allclose(q[k], want, atol=1e-5)
+            prev = j
+        counts[toks[0]] = counts.get(toks[0], 0) + 1
+    # slot 1 (after the anchor): empirical frequencies follow q
+    x = scores[0, 0] / T
+    q0 = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    from scipy.stats import chisquare
+
+    obs = np.array([counts.get(int(t), 0) for t in cand[0]], float)
+    keep = q0 * 400 >= 5
+    f_exp = np.append(q0[keep], q0[~keep].sum()) * 400
+    f_obs = np.append(obs[keep], obs[~keep].sum())
+    mask = f_exp > 0
+    assert chisquare(f_obs[mask], f_exp[mask] * f_obs[mask].sum() / f_exp[mask].sum()).pvalue > 1e-3
+    d.close()
+
+
 def test_identity_conv_and_zero_selector_is_v1(artifacts, load_model, tmp_path):
     """With identity convolutions and zero pairwise scores, DFlash2 proposes what DFlash v1 proposes."""
     a = artifacts["llama"]

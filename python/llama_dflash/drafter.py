@@ -120,6 +120,29 @@ class Drafter:
         ids = list(toks[0:n])
         return (ids, logits) if return_logits else ids
 
+    def draft_sample(self, anchor: int, n: int, temperature: float, seed: int):
+        """Sampled draft at temperature > 0: (tokens, cand [n, k], q [n, k]), q being the
+        proposal distribution over each slot's candidates (DFlash2: conditioned on the drafted
+        predecessor)."""
+        k_max = max(self.info.selector_top_k, int(lib.DFLASH_V1_SAMPLE_K))
+        toks = ffi.new("int32_t[]", max(n, 1))
+        cand = np.zeros((max(n, 1), k_max), np.int32)
+        q = np.zeros((max(n, 1), k_max), np.float32)
+        rng = ffi.new("struct dflash_rng *")
+        state = np.random.SeedSequence(seed).generate_state(4, np.uint64)
+        for i in range(4):
+            rng.s[i] = int(state[i])
+        k = ffi.new("int32_t *")
+        err = _native.err_buf()
+        cand_c, q_c = ffi.from_buffer("int32_t[]", cand), ffi.from_buffer("float[]", q)
+        if lib.dflash_drafter_draft_sample(self._d, anchor, n, temperature, rng, toks, cand_c, q_c, k, err,
+                                           _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+        kk = k[0]
+        cand = cand.reshape(-1)[: n * kk].reshape(n, kk)
+        q = q.reshape(-1)[: n * kk].reshape(n, kk)
+        return list(toks[0:n]), cand.copy(), q.copy()
+
     def last_lattice(self) -> tuple[np.ndarray, np.ndarray]:
         """DFlash2: (cand [n, K], scores [n, K, K]) of the last draft; scores[k, a, b] is candidate b
         of slot k after candidate a of slot k-1 (slot 0: after the anchor)."""
