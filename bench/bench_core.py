@@ -4,6 +4,7 @@ Measures, side by side in one run:
   1. target decode tok/s without capture, with layer-input capture, with cb_eval capture;
   2. drafter step time (inject n+1 rows + draft n) for n = 3, 7, 15: ours vs upstream's
      `dflash` graph in libllama on the same GGUF (random weights, 576 hidden, 2 and 5 layers, 5 taps);
+     and DFlash2 (convs + selector, K = 16, rank 256) vs DFlash v1 on the same backbone, ours vs upstream;
   3. verify cost t(k)/t(1), k = 1..16 (the loop verifying k rows, all drafts rejected);
   4. the loop's own overhead beyond draft + verify with a replay drafter at fixed acceptance.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _logger
 
 from llama_dflash import SpeculativeGenerator
 from llama_dflash.drafter import Drafter
@@ -37,12 +39,17 @@ PROMPT = ("<|im_start|>user\nExplain how a hash map works and write a small Pyth
 TAPS = [1, 8, 14, 20, 27]
 
 
-def drafter_gguf(target: Path, n_layer: int, out_dir: Path) -> Path:
+def drafter_gguf(target: Path, n_layer: int, out_dir: Path, v2: bool = False) -> Path:
+    """Random drafter of SmolLM2's shape; v2 adds DFlash2 convs + selector to the same backbone."""
     cfg = DrafterConfig(n_embd=576, n_layer=n_layer, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
                         target_layer_ids=TAPS, block_size=16, mask_token_id=16, rope_theta=100000.0,
                         rms_eps=1e-5)
-    p = out_dir / f"drafter-{n_layer}l.gguf"
-    write_drafter(p, cfg, random_drafter_tensors(cfg, seed=n_layer), target, outtype="f16")
+    if v2:
+        cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k = 2, 16, 256, 16
+        cfg.n_vocab = 49152
+    p = out_dir / f"drafter-{n_layer}l{'-v2' if v2 else ''}.gguf"
+    t = random_drafter_tensors(cfg, seed=n_layer)  # the backbone draws come first: same weights for v1 and v2
+    write_drafter(p, cfg, t, target, outtype="f16")
     return p
 
 
@@ -93,6 +100,42 @@ def drafter_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
             res[f"{n_layer}l_n{n}"] = {"ours_ms": o, "upstream_ms": u, "ours_over_upstream": o / u}
         ours.close()
         up.close()
+    llama_cpp.llama_model_free(model)
+    return res
+
+
+def dflash2_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
+    """DFlash2 vs DFlash v1 on the same 2-layer backbone (ours), and ours vs upstream's DFlash2 graph."""
+    model = llama_cpp.llama_model_load_from_file(str(target).encode(), llama_cpp.llama_model_default_params())
+    rng = np.random.default_rng(1)
+    feats = rng.standard_normal((4096, len(TAPS) * 576)).astype(np.float32)
+    p1, p2 = drafter_gguf(target, 2, tmp), drafter_gguf(target, 2, tmp, v2=True)
+    v1 = Drafter(p1, model, n_ctx=2048, n_threads=threads)
+    v2 = Drafter(p2, model, n_ctx=2048, n_threads=threads)
+    up = UpstreamDrafter(str(p2), model, n_ctx=2048, n_threads=threads, exact=False)
+    for d in (v1, v2, up):
+        d.push(feats[:256])
+    res = {}
+    pos = 256
+    for n in (3, 7, 15):
+        t = {"v1": [], "v2": [], "up": []}
+        for _ in range(reps):
+            rows = feats[pos:pos + n + 1]
+            for name, d in (("v1", v1), ("v2", v2)):
+                t0 = time.perf_counter()
+                d.push(rows)
+                d.draft(100, n)
+                t[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            up.push(rows)
+            up.lattice(100, 16, n)
+            t["up"].append(time.perf_counter() - t0)
+            pos += n + 1
+        m = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+        res[f"n{n}"] = {"v1_ms": m["v1"], "v2_ms": m["v2"], "upstream_v2_ms": m["up"],
+                        "v2_over_v1": m["v2"] / m["v1"], "ours_over_upstream": m["v2"] / m["up"]}
+    for d in (v1, v2, up):
+        d.close()
     llama_cpp.llama_model_free(model)
     return res
 
@@ -152,6 +195,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/core.json")
     a = ap.parse_args()
+    _logger.set_verbose(False)
     target = default_target(a.ftype)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
            "threads": a.threads, "target": f"SmolLM2-135M-Instruct {a.ftype.upper()}",
@@ -163,6 +207,10 @@ def main() -> int:
         for k, v in res["drafter_step"].items():
             print(f"drafter {k}: ours {v['ours_ms']:.2f} ms, upstream {v['upstream_ms']:.2f} ms "
                   f"({v['ours_over_upstream']:.2f}x)")
+        res["dflash2_step"] = dflash2_steps(target, Path(tmp), a.threads, a.reps)
+        for k, v in res["dflash2_step"].items():
+            print(f"dflash2 {k}: v1 {v['v1_ms']:.2f} ms, v2 {v['v2_ms']:.2f} ms ({v['v2_over_v1']:.2f}x), "
+                  f"upstream v2 {v['upstream_v2_ms']:.2f} ms (ours {v['ours_over_upstream']:.2f}x)")
         res["verify"] = verify_cost(target, a.threads)
         print("verify t(k)/t(1):", " ".join(f"{k}:{v:.2f}" for k, v in res["verify"]["ratio"].items()))
         res["loop_overhead"] = loop_overhead(target, a.threads, a.tokens)

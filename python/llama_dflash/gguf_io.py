@@ -270,4 +270,17 @@ def random_drafter_tensors(cfg: DrafterConfig, seed: int = 0, std: float = 0.02)
             p + "ffn_norm.weight": norm(E), p + "ffn_gate.weight": mat(cfg.n_ff, E),
             p + "ffn_up.weight": mat(cfg.n_ff, E), p + "ffn_down.weight": mat(E, cfg.n_ff),
         })
+        if cfg.is_v2:
+            g = E // cfg.conv_group_size
+            for side in ("attn", "ffn"):
+                base = np.zeros((2, cfg.conv_kernel_size, E), np.float32)
+                base[:, 0, :] = 1.0  # identity-initialised, as DFlash2 training starts
+                t[p + f"{side}_conv_base"] = base + (0.1 * std * rng.standard_normal(base.shape)).astype(np.float32)
+                t[p + f"{side}_conv_proj.weight"] = mat(2 * cfg.conv_kernel_size * g, E)
+    if cfg.is_v2:
+        if cfg.n_vocab <= 0:
+            raise ValueError("a DFlash2 config needs n_vocab for the selector codebooks")
+        t["selector_predecessor.weight"] = mat(cfg.n_vocab, cfg.selector_rank)
+        t["selector_successor.weight"] = mat(cfg.n_vocab, cfg.selector_rank)
+        t["selector_hidden.weight"] = mat(cfg.selector_rank, E)
     return t
