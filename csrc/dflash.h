@@ -100,10 +100,13 @@ int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d);
 int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows,
                             char * err, size_t err_len);
 
-/* Draft n tokens after `anchor` (the token at position n_ctx_used).
- * out_tokens: n greedy ids.  out_logits (optional): n x n_vocab floats,
- * after logit scale and softcap. */
-int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n,
+/* Greedy draft of up to n tokens after `anchor` (the token at position n_ctx_used).
+ * p_min > 0 cuts the draft at the first slot whose chosen token has a confidence
+ * below p_min (DFlash v1: softmax of the slot's DFLASH_V1_SAMPLE_K best logits;
+ * DFlash2: softmax of the selector scores on the walk).  out_tokens: the ids.
+ * out_logits (optional): n x n_vocab floats, after logit scale and softcap.
+ * Returns the number of tokens drafted, or -1. */
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
                              int32_t * out_tokens, float * out_logits,
                              char * err, size_t err_len);
 
@@ -194,6 +197,7 @@ struct dflash_engine_params {
      * transforms only (penalties, grammar, top-k/p, min-p, temperature; no dist):
      * p is the softmax of what survives.  Committed tokens are accepted into it. */
     struct llama_sampler * sampler;
+    float    p_min;        /* GREEDY / MATCH: confidence cut-off of the draft (0 = off) */
     float    temperature;  /* REJECTION: temperature of the drafter's q */
     uint64_t seed;         /* REJECTION: seed of the accept / resample draws */
 };

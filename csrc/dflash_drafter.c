@@ -476,11 +476,22 @@ static void fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool 
 // A sampled draft (T > 0): its temperature, random state and proposal outputs.
 struct dflash_sample_req {
     float temperature;
-    struct dflash_rng * rng;
+    struct dflash_rng * rng;  // NULL: greedy choice (p_min cut-off only)
     int32_t * cand;   // n x k
     float * q;        // n x k
     int32_t k;
+    float p_min;      // greedy: stop at the first slot less confident than this
+    int32_t n_out;    // tokens produced
 };
+
+// Softmax probability of x[j] among x[0..k) at temperature 1.
+static float softmax_at(const float * x, int32_t k, int32_t j) {
+    float mx = x[0];
+    for (int32_t i = 1; i < k; i++) mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int32_t i = 0; i < k; i++) sum += exp((double) x[i] - mx);
+    return (float) (exp((double) x[j] - mx) / sum);
+}
 
 // Sample index j ~ softmax(x / T) over x[0..k); q receives the probabilities.
 static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q) {
@@ -567,11 +578,11 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         ggml_backend_tensor_get(G.cand, d->last_cand, 0, sizeof(int32_t) * (size_t) n * K);
         ggml_backend_tensor_get(G.scores, d->last_scores, 0, sizeof(float) * (size_t) n * K * K);
         d->last_n = n;
-        int32_t prev = 0;
+        int32_t prev = 0, n_out = n;
         for (int32_t k = 0; k < n; k++) {
             const float * row = d->last_scores + ((size_t) k * K + prev) * K;
             int32_t best = 0;
-            if (samp) {
+            if (samp && samp->rng) {
                 // sampled walk: q conditioned on the drafted predecessor
                 best = sample_softmax(row, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
                 memcpy(samp->cand + (size_t) k * K, d->last_cand + (size_t) k * K, sizeof(int32_t) * K);
@@ -579,20 +590,37 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
                 for (int32_t j = 1; j < K; j++) {
                     if (row[j] > row[best]) best = j;
                 }
+                if (samp && samp->p_min > 0.0f && softmax_at(row, K, best) < samp->p_min) {
+                    n_out = k;
+                    break;
+                }
             }
             out_tokens[k] = d->last_cand[k * K + best];
             prev = best;
         }
-        if (samp) samp->k = K;
+        if (samp) {
+            samp->k = K;
+            samp->n_out = n_out;
+        }
     } else if (n_block > 0 && samp) {
         // v1: every slot sampled independently from its top candidates
         const int32_t n = n_block - 1, K = (int32_t) G.cand->ne[0];
         float * lg = malloc(sizeof(float) * (size_t) n * K);
         ggml_backend_tensor_get(G.cand, samp->cand, 0, sizeof(int32_t) * (size_t) n * K);
         ggml_backend_tensor_get(G.scores, lg, 0, sizeof(float) * (size_t) n * K);
+        samp->n_out = n;
         for (int32_t k = 0; k < n; k++) {
-            const int32_t j = sample_softmax(lg + (size_t) k * K, K, samp->temperature, samp->rng,
-                                             samp->q + (size_t) k * K);
+            const float * x = lg + (size_t) k * K;
+            int32_t j = 0;
+            if (samp->rng) {
+                j = sample_softmax(x, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
+            } else {
+                for (int32_t i = 1; i < K; i++) j = x[i] > x[j] ? i : j;
+                if (softmax_at(x, K, j) < samp->p_min) {
+                    samp->n_out = k;
+                    break;
+                }
+            }
             out_tokens[k] = samp->cand[(size_t) k * K + j];
         }
         free(lg);
@@ -1098,10 +1126,21 @@ static bool check_draft_args(const dflash_drafter * d, int32_t anchor, int32_t n
     return true;
 }
 
-int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, int32_t * out_tokens,
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min, int32_t * out_tokens,
                              float * out_logits, char * err, size_t err_len) {
     if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
-    return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, NULL, err, err_len);
+    if (!(p_min > 0.0f)) {
+        return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+    }
+    // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
+    const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
+    int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
+    float * q = malloc(sizeof(float) * (size_t) n * K);
+    struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, 0 };
+    const int32_t rc = run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
+    free(cand);
+    free(q);
+    return rc ? -1 : req.n_out;
 }
 
 int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
@@ -1112,7 +1151,7 @@ int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t 
         return -1;
     }
     if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
-    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0 };
+    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, 0 };
     if (run_graph(d, d->n_pending, anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return 0;

@@ -377,8 +377,8 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                                                 q_prob, &q_k, err, err_len) != 0) return -1;
                 n_drafted = n;
             } else if (e->drafter) {
-                if (dflash_drafter_draft(e->drafter, anchor, n, drafts, NULL, err, err_len) != 0) return -1;
-                n_drafted = n;
+                n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, drafts, NULL, err, err_len);
+                if (n_drafted < 0) return -1;
             }
         }
         const double tb = dflash_now();

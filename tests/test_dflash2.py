@@ -205,3 +205,24 @@ def test_dflash2_errors(artifacts, tmp_path):
     with pytest.raises(DFlashError, match="'blk.1.ffn_conv_proj.weight' has shape"):
         SpeculativeGenerator(a["target"], tmp_path / "s.gguf")
     assert K_CONV == 2 and RANK == 8
+
+
+def test_p_min_cuts_the_walk(artifacts, load_model, v2):
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    d = Drafter(v2, model, n_ctx=128, n_threads=2)
+    d.push(np.random.default_rng(5).standard_normal((20, 192)).astype(np.float32))
+    full = d.draft(55, 7)
+    cand, scores = d.last_lattice()
+    conf, prev = [], 0
+    for k in range(7):
+        row = scores[k, prev]
+        p = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        j = int(np.argmax(row))
+        conf.append(float(p[j]))
+        prev = j
+    thresholds = [c + e for c in conf for e in (-1e-4, 1e-4)] + [0.0, 1.01]  # away from float rounding
+    for thr in thresholds:
+        want = next((k for k, c in enumerate(conf) if c < thr), 7)
+        assert d.draft(55, 7, p_min=thr) == full[:want]
+    d.close()

@@ -104,3 +104,19 @@ def test_quantized_drafter_weights(artifacts, load_model, tmp_path):
     feats = np.random.default_rng(2).standard_normal((50, 3 * 64)).astype(np.float32)
     check(d, ref, feats, [(20, 7), (5, 15)], embed, head, ATOL_Q8)
     d.close()
+
+
+def test_p_min_cuts_the_draft(artifacts, load_model):
+    """DFlash v1: the draft stops at the first slot whose top-K softmax confidence is below p_min."""
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    d = Drafter(a["drafter"], model, n_ctx=128, n_threads=2)
+    d.push(np.random.default_rng(6).standard_normal((12, 192)).astype(np.float32))
+    full, logits = d.draft(42, 7, return_logits=True)
+    top = np.sort(logits, axis=1)[:, -32:]
+    conf = np.exp(top[:, -1] - top.max(1)) / np.exp(top - top.max(1, keepdims=True)).sum(1)
+    thresholds = [float(c) + e for c in conf for e in (-1e-4, 1e-4)] + [0.0, 1.01]  # away from float rounding
+    for thr in thresholds:
+        want = next((k for k, c in enumerate(conf) if c < thr), 7)
+        assert d.draft(42, 7, p_min=thr) == full[:want], (thr, conf)
+    d.close()

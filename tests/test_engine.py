@@ -146,3 +146,14 @@ def test_stops_at_eos_inside_an_accepted_run(artifacts, tmp_path):
         assert r.tokens == plain[:k + 1]
         assert r.stats.stop_reason == "eos"
     g.close()
+
+
+def test_p_min_keeps_output_and_shortens_drafts(artifacts):
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256) as g:
+        toks = g.tokenize(PROMPTS[1])
+        plain = g.generate(toks, 40, draft_len=0, stop_on_eos=False)
+        full = g.generate(toks, 40, draft_len=7, stop_on_eos=False)
+        cut = g.generate(toks, 40, draft_len=7, stop_on_eos=False, p_min=0.5)
+        assert cut.tokens == plain.tokens == full.tokens
+        assert cut.stats.drafted < full.stats.drafted

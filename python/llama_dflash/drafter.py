@@ -109,15 +109,17 @@ class Drafter:
         if lib.dflash_drafter_push(self._d, ffi.from_buffer("float[]", f), f.shape[0], err, _native.ERR_LEN):
             raise DFlashError(_native.err_str(err))
 
-    def draft(self, anchor: int, n: int, return_logits: bool = False):
-        """Greedy draft of n tokens after `anchor`; optionally also the [n, vocab] logits."""
+    def draft(self, anchor: int, n: int, return_logits: bool = False, p_min: float = 0.0):
+        """Greedy draft of n tokens after `anchor` (fewer when p_min cuts it); optionally
+        also the [n, vocab] logits."""
         toks = ffi.new("int32_t[]", max(n, 1))
         logits = np.empty((max(n, 0), self.info.n_vocab), dtype=np.float32) if return_logits else None
         lp = ffi.from_buffer("float[]", logits) if return_logits and n > 0 else ffi.NULL
         err = _native.err_buf()
-        if lib.dflash_drafter_draft(self._d, anchor, n, toks, lp, err, _native.ERR_LEN):
+        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, toks, lp, err, _native.ERR_LEN)
+        if got < 0:
             raise DFlashError(_native.err_str(err))
-        ids = list(toks[0:n])
+        ids = list(toks[0:got])
         return (ids, logits) if return_logits else ids
 
     def draft_sample(self, anchor: int, n: int, temperature: float, seed: int):

@@ -175,6 +175,7 @@ class SpeculativeGenerator:
         return_margins: bool = False,
         on_step: StepCallback | None = None,
         sampling: SamplingParams | None = None,
+        p_min: float = 0.0,
     ) -> GenerationResult:
         """Speculative generation whose output is distributed exactly as plain decoding's.
 
@@ -184,9 +185,10 @@ class SpeculativeGenerator:
         decoding); mode "rejection" uses speculative rejection sampling with the
         drafter's proposal q (higher acceptance, same distribution, different
         random stream).  draft_len: tokens drafted per step (default: the
-        drafter's block - 1; 0 decodes plainly).  draft_source replaces the
-        DFlash drafter with a Python callable.  on_step receives each step's
-        cache state.
+        drafter's block - 1; 0 decodes plainly).  p_min cuts a greedy / match
+        draft at its first slot less confident than p_min.  draft_source
+        replaces the DFlash drafter with a Python callable.  on_step receives
+        each step's cache state.
         """
         if self._engine is None:
             raise DFlashError("generator is closed")
@@ -240,7 +242,7 @@ class SpeculativeGenerator:
         seed = sp.seed if sp.seed != 0xFFFFFFFF else int.from_bytes(os.urandom(8), "little")
         params = ffi.new("struct dflash_engine_params *",
                          {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
-                          "mode": mode, "temperature": sp.temperature, "seed": seed,
+                          "mode": mode, "temperature": sp.temperature, "seed": seed, "p_min": p_min,
                           "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
         out = ffi.new("int32_t[]", max_tokens)
