@@ -289,7 +289,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
             raise ConvertError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, expected {list(shape)} "
                                f"({field})")
     order = list(want)  # deterministic, upstream-like order
-    srcs = [TensorSource(n, want[n], mapped[n].load) for n in order]
+    srcs = [TensorSource(n, want[n], mapped[n].load, mapped[n].load_rows) for n in order]
     out = Path(outfile)
     tmp = out.with_name(out.name + ".part")
     try:

@@ -32,12 +32,20 @@ class LazyTensor:
 
     def load(self) -> np.ndarray:
         """The tensor as float32 (bf16 widened exactly)."""
-        np_dtype, _ = _DTYPES[self.dtype]
-        raw = np.memmap(self.file, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.nbytes,))
-        a = np.frombuffer(raw, dtype=np_dtype).reshape(self.shape)
+        return self.load_rows(0, self.shape[0] if self.shape else 1)
+
+    def load_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of the first dimension as float32, read (not mapped) from the file,
+        so converting a large tensor chunk by chunk keeps only the chunk in memory."""
+        np_dtype, size = _DTYPES[self.dtype]
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+        with open(self.file, "rb") as f:
+            f.seek(self.offset + r0 * row * size)
+            a = np.fromfile(f, dtype=np_dtype, count=(r1 - r0) * row)
+        shape = (r1 - r0, *self.shape[1:]) if self.shape else ()
         if self.dtype == "BF16":
-            return (a.astype(np.uint32) << 16).view(np.float32)
-        return a.astype(np.float32)
+            return (a.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        return a.astype(np.float32).reshape(shape)
 
 
 def read_header(path: str | os.PathLike) -> dict[str, LazyTensor]:

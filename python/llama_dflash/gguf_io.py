@@ -109,11 +109,34 @@ def _encode(arr: np.ndarray, qt: GGMLQuantizationType) -> np.ndarray:
 
 @dataclass
 class TensorSource:
-    """A tensor to write: GGUF name, PyTorch-order shape, and a loader returning float32 data."""
+    """A tensor to write: GGUF name, PyTorch-order shape, and a loader returning float32 data.
+
+    load_rows(r0, r1), when given, returns rows [r0, r1) of the first dimension: the tensor is
+    then converted chunk by chunk and only its encoded form is held whole.
+    """
 
     name: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    load_rows: Callable[[int, int], np.ndarray] | None = None
+
+
+_CHUNK_BYTES = 32 << 20
+
+
+def _encode_source(t: TensorSource, qt: GGMLQuantizationType) -> np.ndarray:
+    if t.load_rows is None or len(t.shape) < 2:
+        return _encode(t.load(), qt)
+    row = int(np.prod(t.shape[1:]))
+    step = max(1, _CHUNK_BYTES // (4 * row))
+    out = None
+    for r0 in range(0, t.shape[0], step):
+        r1 = min(r0 + step, t.shape[0])
+        chunk = _encode(t.load_rows(r0, r1), qt)  # rows encode independently (quant blocks lie in a row)
+        if out is None:
+            out = np.empty((t.shape[0], *chunk.shape[1:]), dtype=chunk.dtype)
+        out[r0:r1] = chunk
+    return out
 
 
 def write_drafter(
@@ -186,7 +209,7 @@ def write_drafter(
     w.write_ti_data_to_file()
     done = 0
     for t, qt in zip(srcs, types, strict=True):
-        data = _encode(t.load(), qt)
+        data = _encode_source(t, qt)
         w.write_tensor_data(data)
         done += data.nbytes
         del data
