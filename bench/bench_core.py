@@ -53,7 +53,7 @@ def drafter_gguf(target: Path, n_layer: int, out_dir: Path, v2: bool = False) ->
     return p
 
 
-def decode_speed(target: Path, tokens: int, threads: int, rounds: int = 5) -> dict:
+def decode_speed(target: Path, tokens: int, threads: int, rounds: int = 6) -> dict:
     """Plain decode tok/s; the three configurations run interleaved so drift hits all alike."""
     cfgs = {"no_capture": {}, "layer_inp": {"capture_layers": TAPS, "capture": "layer_inp"},
             "cb_eval": {"capture_layers": TAPS, "capture": "cb_eval"}}
@@ -62,9 +62,10 @@ def decode_speed(target: Path, tokens: int, threads: int, rounds: int = 5) -> di
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
     for g in gens.values():
         g.generate(toks, 8)
-    for _ in range(rounds):
-        for k, g in gens.items():
-            runs[k].append(g.generate(toks, tokens, stop_on_eos=False).stats.tokens_per_s)
+    keys = list(gens)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate the order: no position bias
+            runs[k].append(gens[k].generate(toks, tokens, stop_on_eos=False).stats.tokens_per_s)
     for g in gens.values():
         g.close()
     return {k: statistics.median(v) for k, v in runs.items()}
