@@ -40,6 +40,20 @@ def artifacts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v2_drafter(artifacts, tmp_path_factory):
+    """A DFlash2 drafter for the llama target, converted (f32) from the synthetic HF checkpoint."""
+    from llama_dflash.convert import convert_hf_to_gguf
+
+    from hf_fixtures import make_variant
+
+    d = tmp_path_factory.mktemp("v2")
+    hf, _, _ = make_variant(d, "v2")
+    out = d / "v2.gguf"
+    convert_hf_to_gguf(hf, artifacts["llama"]["target"], out, outtype="f32")
+    return out
+
+
+@pytest.fixture(scope="session")
 def load_model():
     """Load a bare llama_model* (no context); freed at session end."""
     models = []

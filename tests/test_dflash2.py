@@ -21,15 +21,6 @@ from models import MASK_ID
 ATOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def v2(artifacts, tmp_path_factory):
-    d = tmp_path_factory.mktemp("v2")
-    hf, _, _ = make_variant(d, "v2")
-    out = d / "v2.gguf"
-    convert_hf_to_gguf(hf, artifacts["llama"]["target"], out, outtype="f32")
-    return out
-
-
 def align(ours: np.ndarray, theirs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Orders that sort each slot's candidate ids (top-k order is unspecified)."""
     return np.argsort(ours), np.argsort(theirs)
@@ -48,12 +39,12 @@ def compare_lattice(cand, scores, rcand, rscores, tol):
         assert err < tol, f"slot {k}: lattice differs by {err}"
 
 
-def test_graph_matches_reference(artifacts, load_model, v2):
+def test_graph_matches_reference(artifacts, load_model, v2_drafter):
     a = artifacts["llama"]
     model = load_model(a["target"])
-    d = Drafter(v2, model, n_ctx=512, n_threads=2)
+    d = Drafter(v2_drafter, model, n_ctx=512, n_threads=2)
     assert d.info.version == 2 and d.info.selector_top_k == TOPK and d.info.conv_group_size == GROUP
-    ref = DFlashReference.from_gguf(v2)
+    ref = DFlashReference.from_gguf(v2_drafter)
     embed = torch.from_numpy(read_tensors(a["target"], ["token_embd.weight"])["token_embd.weight"].copy())
     feats = np.random.default_rng(0).standard_normal((300, 192)).astype(np.float32)
     done = 0
@@ -76,12 +67,12 @@ def test_graph_matches_reference(artifacts, load_model, v2):
     d.close()
 
 
-def test_sampled_walk_q(artifacts, load_model, v2):
+def test_sampled_walk_q(artifacts, load_model, v2_drafter):
     """T > 0: each slot's q is softmax(scores[prev] / T) for the drafted predecessor, sums to 1,
     and the walk's frequencies follow q."""
     a = artifacts["llama"]
     model = load_model(a["target"])
-    d = Drafter(v2, model, n_ctx=256, n_threads=2)
+    d = Drafter(v2_drafter, model, n_ctx=256, n_threads=2)
     feats = np.random.default_rng(4).standard_normal((30, 192)).astype(np.float32)
     d.push(feats)
     T = 1.5
@@ -146,11 +137,11 @@ def test_identity_conv_and_zero_selector_is_v1(artifacts, load_model, tmp_path):
     d2.close()
 
 
-def test_same_as_upstream(artifacts, load_model, v2):
+def test_same_as_upstream(artifacts, load_model, v2_drafter):
     a = artifacts["llama"]
     model = load_model(a["target"])
-    ours = Drafter(v2, model, n_ctx=512, n_threads=2)
-    up = UpstreamDrafter(str(v2), model, n_ctx=512)
+    ours = Drafter(v2_drafter, model, n_ctx=512, n_threads=2)
+    up = UpstreamDrafter(str(v2_drafter), model, n_ctx=512)
     feats = np.random.default_rng(3).standard_normal((200, 192)).astype(np.float32)
     done = 0
     for n_new, n in [(20, 7), (3, 3), (100, 7), (1, 1)]:
@@ -166,9 +157,9 @@ def test_same_as_upstream(artifacts, load_model, v2):
     ours.close()
 
 
-def test_greedy_identity_with_dflash2(artifacts, v2):
+def test_greedy_identity_with_dflash2(artifacts, v2_drafter):
     a = artifacts["llama"]
-    with SpeculativeGenerator(a["target"], v2, n_ctx=512) as g:
+    with SpeculativeGenerator(a["target"], v2_drafter, n_ctx=512) as g:
         assert g.drafter_info.version == 2
         for p in ["def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "Dear Sir or Madam,"]:
             toks = g.tokenize(p)
@@ -207,10 +198,10 @@ def test_dflash2_errors(artifacts, tmp_path):
     assert K_CONV == 2 and RANK == 8
 
 
-def test_p_min_cuts_the_walk(artifacts, load_model, v2):
+def test_p_min_cuts_the_walk(artifacts, load_model, v2_drafter):
     a = artifacts["llama"]
     model = load_model(a["target"])
-    d = Drafter(v2, model, n_ctx=128, n_threads=2)
+    d = Drafter(v2_drafter, model, n_ctx=128, n_threads=2)
     d.push(np.random.default_rng(5).standard_normal((20, 192)).astype(np.float32))
     full = d.draft(55, 7)
     cand, scores = d.last_lattice()

@@ -11,24 +11,13 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
-from llama_dflash.convert import convert_hf_to_gguf
 
-from hf_fixtures import make_variant
 from sampling_cert import near_tie
 
 PROMPTS = ["Once upon a time", "def add(a, b):", "The weather today", "1, 2, 3,", "Hello", "import os",
            "Q: why?", "In 1990", "The cat", "SELECT name", "Dear John,", "for x in", "print(", "She said",
            "# Title", "class A:", "x = [", "It was", "We the people", "Roses are"]
 SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=3.0, min_p=0.0)]
-
-
-@pytest.fixture(scope="module")
-def v2_drafter(artifacts, tmp_path_factory):
-    d = tmp_path_factory.mktemp("v2s")
-    hf, _, _ = make_variant(d, "v2")
-    out = d / "v2.gguf"
-    convert_hf_to_gguf(hf, artifacts["llama"]["target"], out, outtype="f32")
-    return out
 
 
 def llama_generate(llm, toks, n, seed, **kw):

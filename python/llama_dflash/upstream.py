@@ -67,33 +67,31 @@ class UpstreamDrafter:
         n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode() if n >= 0 else None
 
-    def push(self, feats: np.ndarray) -> None:
-        n, width = feats.shape
-        b = llama_cpp.llama_batch_init(n, width, 1)
+    def _decode(self, n: int, embd_width: int, token_at, logits: bool) -> None:
+        b = llama_cpp.llama_batch_init(n, embd_width, 1)
         b.n_tokens = n
-        ctypes.memmove(b.embd, np.ascontiguousarray(feats, dtype=np.float32).ctypes.data, feats.nbytes)
+        if token_at is None:
+            ctypes.memmove(b.embd, self._embd.ctypes.data, self._embd.nbytes)
         for i in range(n):
+            if token_at is not None:
+                b.token[i] = token_at(i)
             b.pos[i] = self.n_past + i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = 0
+            b.logits[i] = logits
         rc = llama_cpp.llama_decode(self.ctx, b)
         llama_cpp.llama_batch_free(b)
         assert rc == 0, rc
-        self.n_past += n
+
+    def push(self, feats: np.ndarray) -> None:
+        """Inject context features (an embd batch at the next positions)."""
+        self._embd = np.ascontiguousarray(feats, dtype=np.float32)
+        self._decode(feats.shape[0], feats.shape[1], None, False)
+        self.n_past += feats.shape[0]
 
     def draft(self, anchor: int, mask_id: int, n: int, return_logits: bool = True) -> np.ndarray | None:
-        b = llama_cpp.llama_batch_init(n + 1, 0, 1)
-        b.n_tokens = n + 1
-        for i in range(n + 1):
-            b.token[i] = anchor if i == 0 else mask_id
-            b.pos[i] = self.n_past + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = 1
-        rc = llama_cpp.llama_decode(self.ctx, b)
-        llama_cpp.llama_batch_free(b)
-        assert rc == 0, rc
+        """Run the block [anchor, mask x n]; the logits of slots 1..n (then drop the block)."""
+        self._decode(n + 1, 0, lambda i: anchor if i == 0 else mask_id, True)
         out = None
         if return_logits:
             out = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))
