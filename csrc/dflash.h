@@ -29,6 +29,7 @@ struct llama_model;
 struct llama_context;
 
 typedef struct dflash_drafter dflash_drafter;
+typedef struct dflash_state   dflash_state;
 typedef struct dflash_capture dflash_capture;
 typedef struct dflash_engine  dflash_engine;
 
@@ -131,6 +132,24 @@ int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t 
  * k after candidate a of slot k-1 (slot 0: the anchor, same row for every a).
  * Returns n, or -1 for a DFlash v1 drafter. */
 int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores);
+
+/* ---- several sequences ------------------------------------------------------
+ * A drafter's functions above act on its own state (one sequence).  More
+ * sequences get states of their own (each a context cache of n_ctx positions);
+ * their blocks can then be drafted together in one graph. */
+dflash_state * dflash_state_new(dflash_drafter * d, char * err, size_t err_len);
+void    dflash_state_free(dflash_state * st);
+void    dflash_state_reset(dflash_state * st);
+int32_t dflash_state_truncate(dflash_state * st, int32_t n);
+int32_t dflash_state_n_ctx_used(const dflash_state * st);
+int32_t dflash_state_push(dflash_state * st, const float * rows, int32_t n_rows, char * err, size_t err_len);
+int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float * scores);
+/* Greedy draft of n tokens for each of n_seq states (distinct, same drafter) after
+ * anchors[s]; out_tokens: n_seq x n; out_logits (optional): n_seq x n x n_vocab.
+ * Returns n, or -1. */
+int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, int32_t n_seq,
+                                   const int32_t * anchors, int32_t n, int32_t * out_tokens,
+                                   float * out_logits, char * err, size_t err_len);
 
 /* ---- feature capture --------------------------------------------------- */
 

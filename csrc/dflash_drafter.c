@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 
 #define DFLASH_MAX_LAYERS 64
+#define DFLASH_MAX_SEQ 16
 #define DFLASH_GRAPH_SIZE 4096
 #define DFLASH_INJECT_CHUNK 512
 
@@ -30,8 +31,22 @@ struct dflash_layer {
     struct ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
     struct ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
     struct ggml_tensor * attn_conv_base, * attn_conv_proj, * ffn_conv_base, * ffn_conv_proj; // DFlash2
-    struct ggml_tensor * k_cache; // [head_dim*n_head_kv, n_ctx]: one row per position
-    struct ggml_tensor * v_cache; // [n_ctx, head_dim*n_head_kv]: transposed for kq*v
+};
+
+// One sequence's context: per-layer K/V of committed positions, and queued features.
+struct dflash_state {
+    struct dflash_drafter * d;
+    struct ggml_context * ctx_kv;
+    ggml_backend_buffer_t buf_kv;
+    struct ggml_tensor * k_cache[DFLASH_MAX_LAYERS]; // [head_dim*n_head_kv, n_ctx]: one row per position
+    struct ggml_tensor * v_cache[DFLASH_MAX_LAYERS]; // [n_ctx, head_dim*n_head_kv]: transposed for kq*v
+    int32_t n_cached;     // positions projected into the cache
+    float * pending;      // queued feature rows
+    int32_t n_pending;
+    int32_t pending_cap;
+    int32_t * last_cand;  // DFlash2: lattice of the last draft
+    float * last_scores;
+    int32_t last_n;
 };
 
 struct dflash_drafter {
@@ -39,9 +54,7 @@ struct dflash_drafter {
     int32_t n_embd_inp; // n_taps * n_embd
 
     struct ggml_context * ctx_w;    // own weights
-    struct ggml_context * ctx_kv;   // context cache
     ggml_backend_buffer_t buf_w;
-    ggml_backend_buffer_t buf_kv;
 
     struct ggml_tensor * fc, * hidden_norm, * out_norm;
     struct ggml_tensor * sel_pred, * sel_succ, * sel_hidden; // DFlash2 selector
@@ -57,14 +70,7 @@ struct dflash_drafter {
     void * meta_buf;
     size_t meta_size;
 
-    int32_t * last_cand;  // DFlash2: lattice of the last draft
-    float * last_scores;
-    int32_t last_n;
-
-    int32_t n_cached;     // positions projected into the cache
-    float * pending;      // queued feature rows
-    int32_t n_pending;
-    int32_t pending_cap;
+    struct dflash_state * def;     // the state behind the single-sequence API
 };
 
 // ---------------------------------------------------------------------------
@@ -228,38 +234,47 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
 
 // ---------------------------------------------------------------------------
 // graph
+//
+// One graph serves n_seq sequences (states) at once: each injects its pending
+// features into its own cache; their blocks [anchor, mask x n] run together
+// (projections, convolutions, MLP and head batched), attention per sequence
+// against its own cache.  Blocks are laid out contiguously, B rows each.
 
 struct dflash_graph {
     struct ggml_context * ctx;
     struct ggml_cgraph * gf;
-    struct ggml_tensor * feat, * feat_pos;          // injection inputs (or NULL)
-    struct ggml_tensor * tokens, * block_pos;       // block inputs (or NULL)
-    struct ggml_tensor * mask_full, * mask_swa;     // [n_kv, n_block] (or NULL)
-    struct ggml_tensor * logits, * argmax;          // outputs
-    struct ggml_tensor * anchor;                    // DFlash2: anchor id (selector input)
-    struct ggml_tensor * cand, * scores;            // DFlash2: [K, n] ids, [K, K, n] lattice
-    int32_t n_kv;                                   // keys the block attends to
+    struct ggml_tensor * feat[DFLASH_MAX_SEQ], * feat_pos[DFLASH_MAX_SEQ]; // injection inputs (or NULL)
+    struct ggml_tensor * tokens, * block_pos;                            // [B * n_seq] (or NULL)
+    struct ggml_tensor * mask_full[DFLASH_MAX_SEQ], * mask_swa[DFLASH_MAX_SEQ]; // [n_kv_s, B] (or NULL)
+    struct ggml_tensor * logits, * argmax;                               // outputs, [.., n * n_seq]
+    struct ggml_tensor * anchor;                                         // DFlash2: [n_seq] anchor ids
+    struct ggml_tensor * cand, * scores;                                 // top-K ids, lattice / logits
+    int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
 };
 
-// DFlash2 convolution of one side over the block (docs §3.1):
-//   out[:, i] = sum_t (base[side, t] + dyn_i[side, t, grp(c)]) * x[:, i - t],  x[:, j < 0] = 0.
-// x: [H, B] (block slots only), dyn: [2*K*G, B] from the normed sub-layer input.
+// DFlash2 convolution of one side over each block (docs §3.1):
+//   out[:, i] = sum_t (base[side, t] + dyn_i[side, t, grp(c)]) * x[:, i - t],  x[:, j < 0] = 0,
+// i counted from the start of its own block.  x: [H, B * S], dyn: [2*K*G, B * S].
 static struct ggml_tensor * dyn_conv(const struct dflash_drafter * d, struct ggml_context * ctx,
                                      struct ggml_tensor * x, struct ggml_tensor * dyn,
-                                     struct ggml_tensor * base, int side) {
+                                     struct ggml_tensor * base, int side, int64_t B) {
     const struct dflash_drafter_info * hp = &d->hp;
-    const int64_t H = hp->n_embd, B = x->ne[1], K = hp->conv_kernel_size;
+    const int64_t H = hp->n_embd, N = x->ne[1], S = N / B, K = hp->conv_kernel_size;
     const int64_t g = hp->conv_group_size, G = H / g;
     x = ggml_cont(ctx, x);
     struct ggml_tensor * out = NULL;
     for (int64_t t = 0; t < K && t < B; t++) {
-        struct ggml_tensor * dt = ggml_view_2d(ctx, dyn, G, B, dyn->nb[1], (size_t) (side * K * G + t * G) * sizeof(float));
-        dt = ggml_reshape_3d(ctx, ggml_cont(ctx, dt), 1, G, B);
-        dt = ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, dt, g, G, B, 1), H, B); // group value on its g channels
+        struct ggml_tensor * dt = ggml_view_2d(ctx, dyn, G, N, dyn->nb[1], (size_t) (side * K * G + t * G) * sizeof(float));
+        dt = ggml_reshape_3d(ctx, ggml_cont(ctx, dt), 1, G, N);
+        dt = ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, dt, g, G, N, 1), H, N); // group value on its g channels
         struct ggml_tensor * bt = ggml_view_1d(ctx, base, H, (size_t) (side * K + t) * H * ggml_element_size(base));
         struct ggml_tensor * kern = ggml_add(ctx, dt, bt);
         struct ggml_tensor * xs = x;
-        if (t > 0) xs = ggml_pad_ext(ctx, ggml_view_2d(ctx, x, H, B - t, x->nb[1], 0), 0, 0, (int) t, 0, 0, 0, 0, 0);
+        if (t > 0) {
+            // shift by t inside every block: the first t slots of each block read zeros
+            struct ggml_tensor * v = ggml_view_3d(ctx, x, H, B - t, S, x->nb[1], x->nb[1] * B, 0);
+            xs = ggml_reshape_2d(ctx, ggml_pad_ext(ctx, ggml_cont(ctx, v), 0, 0, (int) t, 0, 0, 0, 0, 0), H, N);
+        }
         struct ggml_tensor * term = ggml_mul(ctx, kern, xs);
         out = out ? ggml_add(ctx, out, term) : term;
     }
@@ -270,13 +285,15 @@ static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * 
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
-// Project x ([n_embd, n]) to K/V for layer il and store them at cache cells
-// [off, off+n).  Returns the two copy nodes so the caller orders them first.
-static void store_kv(struct dflash_drafter * d, struct ggml_context * ctx, struct ggml_cgraph * gf,
-                     int il, struct ggml_tensor * x, struct ggml_tensor * pos, int32_t off, int32_t n) {
+// Project x ([n_embd, n]) to K/V for layer il and store them in st's cache at
+// cells [off, off+n); the copies are added to the graph before their readers.
+static void store_kv(const struct dflash_drafter * d, struct dflash_state * st, struct ggml_context * ctx,
+                     struct ggml_cgraph * gf, int il, struct ggml_tensor * x, struct ggml_tensor * pos,
+                     int32_t off, int32_t n) {
     const struct dflash_drafter_info * hp = &d->hp;
     const struct dflash_layer * L = &d->layers[il];
     const int64_t n_kv_embd = (int64_t) hp->head_dim * hp->n_head_kv;
+    struct ggml_tensor * kc = st->k_cache[il], * vc = st->v_cache[il];
 
     struct ggml_tensor * k = ggml_mul_mat(ctx, L->wk, x);
     k = ggml_reshape_3d(ctx, k, hp->head_dim, hp->n_head_kv, n);
@@ -285,38 +302,37 @@ static void store_kv(struct dflash_drafter * d, struct ggml_context * ctx, struc
                       1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
     struct ggml_tensor * v = ggml_mul_mat(ctx, L->wv, x); // [n_kv_embd, n]
 
-    struct ggml_tensor * k_dst = ggml_view_2d(ctx, L->k_cache, n_kv_embd, n, L->k_cache->nb[1],
-                                              (size_t) off * L->k_cache->nb[1]);
-    struct ggml_tensor * v_dst = ggml_view_2d(ctx, L->v_cache, n, n_kv_embd, L->v_cache->nb[1],
-                                              (size_t) off * ggml_element_size(L->v_cache));
+    struct ggml_tensor * k_dst = ggml_view_2d(ctx, kc, n_kv_embd, n, kc->nb[1], (size_t) off * kc->nb[1]);
+    struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n, n_kv_embd, vc->nb[1], (size_t) off * ggml_element_size(vc));
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, k, n_kv_embd, n), k_dst));
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v), v_dst));
 }
 
 // DFlash2 selector (docs §3.2), all on the backend: top-K candidates per slot and the
 // lattice scores[k][a][b] = U_k(c_kb) + <A[c_{k-1,a}] * gate_k, S[c_kb]>, slot 0's predecessor
-// being the anchor.  Only ids and K x K scores per slot go back to the host.
+// being its block's anchor.  z: [H, n * S], logits: [V, n * S].  Only ids and K x K scores per
+// slot go back to the host.
 static void build_selector(const struct dflash_drafter * d, struct dflash_graph * G, struct ggml_context * ctx,
-                           struct ggml_tensor * z, struct ggml_tensor * logits) {
+                           struct ggml_tensor * z, struct ggml_tensor * logits, int64_t n, int64_t S) {
     const struct dflash_drafter_info * hp = &d->hp;
-    const int64_t K = hp->selector_top_k, R = hp->selector_rank, n = logits->ne[1], V = logits->ne[0];
-    struct ggml_tensor * cand = ggml_top_k(ctx, logits, (int) K);                            // [K, n]
-    struct ggml_tensor * unary = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, n), cand); // [1, K, n]
-    struct ggml_tensor * gate = ggml_mul_mat(ctx, d->sel_hidden, z);                          // [R, n]
-    struct ggml_tensor * flat = ggml_reshape_1d(ctx, cand, K * n);
-    struct ggml_tensor * succ = ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_succ, flat), R, K, n);
-    G->anchor = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+    const int64_t K = hp->selector_top_k, R = hp->selector_rank, V = logits->ne[0], N = n * S;
+    struct ggml_tensor * cand = ggml_top_k(ctx, logits, (int) K);                                  // [K, N]
+    struct ggml_tensor * unary = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, N), cand);   // [1, K, N]
+    struct ggml_tensor * gate = ggml_mul_mat(ctx, d->sel_hidden, z);                                // [R, N]
+    struct ggml_tensor * flat = ggml_reshape_1d(ctx, cand, K * N);
+    struct ggml_tensor * succ = ggml_reshape_4d(ctx, ggml_get_rows(ctx, d->sel_succ, flat), R, K, n, S);
+    G->anchor = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, S);
     ggml_set_input(G->anchor);
-    struct ggml_tensor * prev = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_pred, G->anchor), R, 1, 1),
-                                               R, K, 1, 1);
+    struct ggml_tensor * prev = ggml_reshape_4d(ctx, ggml_get_rows(ctx, d->sel_pred, G->anchor), R, 1, 1, S);
+    prev = ggml_repeat_4d(ctx, prev, R, K, 1, S);
     if (n > 1) {
-        struct ggml_tensor * pred = ggml_reshape_3d(ctx, ggml_get_rows(ctx, d->sel_pred, flat), R, K, n);
-        pred = ggml_cont(ctx, ggml_view_3d(ctx, pred, R, K, n - 1, pred->nb[1], pred->nb[2], 0));
-        prev = ggml_concat(ctx, prev, pred, 2);                                              // [R, K, n]
+        struct ggml_tensor * pred = ggml_reshape_4d(ctx, ggml_get_rows(ctx, d->sel_pred, flat), R, K, n, S);
+        pred = ggml_cont(ctx, ggml_view_4d(ctx, pred, R, K, n - 1, S, pred->nb[1], pred->nb[2], pred->nb[3], 0));
+        prev = ggml_concat(ctx, prev, pred, 2);                                                    // [R, K, n, S]
     }
-    prev = ggml_mul(ctx, prev, ggml_reshape_3d(ctx, gate, R, 1, n));
-    struct ggml_tensor * scores = ggml_mul_mat(ctx, succ, prev);                              // [K(b), K(a), n]
-    scores = ggml_add(ctx, scores, ggml_reshape_3d(ctx, unary, K, 1, n));
+    prev = ggml_mul(ctx, prev, ggml_reshape_4d(ctx, gate, R, 1, n, S));
+    struct ggml_tensor * scores = ggml_mul_mat(ctx, succ, prev);                                    // [K(b), K(a), n, S]
+    scores = ggml_add(ctx, scores, ggml_reshape_4d(ctx, unary, K, 1, n, S));
     G->cand = cand;
     G->scores = scores;
     ggml_set_output(cand);
@@ -325,10 +341,10 @@ static void build_selector(const struct dflash_drafter * d, struct dflash_graph 
     ggml_build_forward_expand(G->gf, scores);
 }
 
-// Build the graph: inject n_feat pending rows, then (if n_block > 0) run the
-// block at positions [a, a + n_block).
-static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int32_t n_feat,
-                        int32_t n_block, bool want_logits, bool want_topk) {
+// Inject every state's pending rows; then, if n_block > 0, run one block per state at
+// positions [a_s, a_s + n_block) with a_s = its committed length.
+static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
+                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk) {
     const struct dflash_drafter_info * hp = &d->hp;
     memset(G, 0, sizeof(*G));
     struct ggml_init_params ip = { d->meta_size, d->meta_buf, true };
@@ -337,25 +353,24 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
     struct ggml_context * ctx = G->ctx;
     G->gf = ggml_new_graph_custom(ctx, DFLASH_GRAPH_SIZE, false);
 
-    const int32_t off = d->n_cached;
-    if (n_feat > 0) {
-        G->feat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d->n_embd_inp, n_feat);
-        ggml_set_input(G->feat);
-        G->feat_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_feat);
-        ggml_set_input(G->feat_pos);
-        struct ggml_tensor * c = rms(ctx, ggml_mul_mat(ctx, d->fc, G->feat), d->hidden_norm, hp->rms_eps);
+    for (int32_t s = 0; s < n_seq; s++) {
+        struct dflash_state * st = sts[s];
+        if (st->n_pending == 0) continue;
+        G->feat[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d->n_embd_inp, st->n_pending);
+        ggml_set_input(G->feat[s]);
+        G->feat_pos[s] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, st->n_pending);
+        ggml_set_input(G->feat_pos[s]);
+        struct ggml_tensor * c = rms(ctx, ggml_mul_mat(ctx, d->fc, G->feat[s]), d->hidden_norm, hp->rms_eps);
         for (int il = 0; il < hp->n_layer; il++) {
-            store_kv(d, ctx, G->gf, il, c, G->feat_pos, off, n_feat);
+            store_kv(d, st, ctx, G->gf, il, c, G->feat_pos[s], st->n_cached, st->n_pending);
         }
     }
     if (n_block <= 0) return true;
 
-    const int32_t a = off + n_feat; // anchor position
-    const int32_t n_kv = a + n_block;
-    G->n_kv = n_kv;
-    G->tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+    const int64_t B = n_block, N = B * n_seq;
+    G->tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, N);
     ggml_set_input(G->tokens);
-    G->block_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+    G->block_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, N);
     ggml_set_input(G->block_pos);
     // Masks only for the layer kinds that exist: an input no node reads is never
     // allocated, and setting it would abort.
@@ -363,72 +378,87 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
     for (int il = 0; il < hp->n_layer; il++) {
         if (hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u)) any_swa = true; else any_full = true;
     }
-    if (hp->causal && any_full) {
-        G->mask_full = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
-        ggml_set_input(G->mask_full);
-    }
-    if (any_swa) {
-        G->mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_block);
-        ggml_set_input(G->mask_swa);
+    for (int32_t s = 0; s < n_seq; s++) {
+        G->n_kv[s] = sts[s]->n_cached + sts[s]->n_pending + n_block;
+        if (hp->causal && any_full) {
+            G->mask_full[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
+            ggml_set_input(G->mask_full[s]);
+        }
+        if (any_swa) {
+            G->mask_swa[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
+            ggml_set_input(G->mask_swa[s]);
+        }
     }
 
     struct ggml_tensor * h = ggml_get_rows(ctx, d->tok_embd, G->tokens);
     if (hp->embedding_scale != 1.0f) h = ggml_scale(ctx, h, hp->embedding_scale);
     const float kq_scale = 1.0f / sqrtf((float) hp->head_dim);
-    const int64_t n_kv_embd = (int64_t) hp->head_dim * hp->n_head_kv;
 
     for (int il = 0; il < hp->n_layer; il++) {
         const struct dflash_layer * L = &d->layers[il];
         const bool v2 = hp->version == 2;
+        const bool swa = hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u);
         struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
         struct ggml_tensor * dyn_a = NULL;
         if (v2) {
             dyn_a = ggml_mul_mat(ctx, L->attn_conv_proj, u);
-            u = dyn_conv(d, ctx, u, dyn_a, L->attn_conv_base, 0);
+            u = dyn_conv(d, ctx, u, dyn_a, L->attn_conv_base, 0, B);
         }
+        u = ggml_cont(ctx, u);
 
         struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
-        q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, n_block);
+        q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, N);
         q = rms(ctx, q, L->q_norm, hp->rms_eps);
         q = ggml_rope_ext(ctx, q, G->block_pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, 0,
                           hp->rope_theta, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
-        store_kv(d, ctx, G->gf, il, u, G->block_pos, a, n_block);
 
-        struct ggml_tensor * K = ggml_view_3d(ctx, L->k_cache, hp->head_dim, hp->n_head_kv, n_kv,
-                                              ggml_row_size(L->k_cache->type, hp->head_dim),
-                                              L->k_cache->nb[1], 0);
-        K = ggml_permute(ctx, K, 0, 2, 1, 3);                      // [d, n_kv, H_kv]
-        struct ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3); // [d, n_block, H]
-        struct ggml_tensor * kq = ggml_mul_mat(ctx, K, Q);         // [n_kv, n_block, H]
-        bool swa = hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u);
-        kq = ggml_soft_max_ext(ctx, kq, swa ? G->mask_swa : G->mask_full, kq_scale, 0.0f);
-        struct ggml_tensor * V = ggml_view_3d(ctx, L->v_cache, n_kv, hp->head_dim, hp->n_head_kv,
-                                              L->v_cache->nb[1], L->v_cache->nb[1] * hp->head_dim, 0);
-        struct ggml_tensor * o = ggml_mul_mat(ctx, V, kq);         // [d, n_block, H]
-        o = ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));     // [d, H, n_block]
-        o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, n_block);
+        struct ggml_tensor * o = NULL;
+        for (int32_t s = 0; s < n_seq; s++) {
+            struct dflash_state * st = sts[s];
+            const int32_t a = st->n_cached + st->n_pending, n_kv = G->n_kv[s];
+            struct ggml_tensor * u_s = ggml_view_2d(ctx, u, hp->n_embd, B, u->nb[1], (size_t) s * B * u->nb[1]);
+            struct ggml_tensor * pos_s = ggml_view_1d(ctx, G->block_pos, B, (size_t) s * B * sizeof(int32_t));
+            store_kv(d, st, ctx, G->gf, il, u_s, pos_s, a, (int32_t) B);
+
+            struct ggml_tensor * K = ggml_view_3d(ctx, st->k_cache[il], hp->head_dim, hp->n_head_kv, n_kv,
+                                                  ggml_row_size(st->k_cache[il]->type, hp->head_dim),
+                                                  st->k_cache[il]->nb[1], 0);
+            K = ggml_permute(ctx, K, 0, 2, 1, 3);                                    // [d, n_kv, H_kv]
+            struct ggml_tensor * q_s = ggml_view_3d(ctx, q, hp->head_dim, hp->n_head, B, q->nb[1], q->nb[2],
+                                                    (size_t) s * B * q->nb[2]);
+            struct ggml_tensor * Q = ggml_permute(ctx, q_s, 0, 2, 1, 3);            // [d, B, H]
+            struct ggml_tensor * kq = ggml_mul_mat(ctx, K, Q);                       // [n_kv, B, H]
+            kq = ggml_soft_max_ext(ctx, kq, swa ? G->mask_swa[s] : G->mask_full[s], kq_scale, 0.0f);
+            struct ggml_tensor * V = ggml_view_3d(ctx, st->v_cache[il], n_kv, hp->head_dim, hp->n_head_kv,
+                                                  st->v_cache[il]->nb[1], st->v_cache[il]->nb[1] * hp->head_dim, 0);
+            struct ggml_tensor * o_s = ggml_mul_mat(ctx, V, kq);                     // [d, B, H]
+            o_s = ggml_cont(ctx, ggml_permute(ctx, o_s, 0, 2, 1, 3));               // [d, H, B]
+            o = o ? ggml_concat(ctx, o, o_s, 2) : o_s;
+        }
+        o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, N);
         o = ggml_mul_mat(ctx, L->wo, o);
-        if (v2) o = dyn_conv(d, ctx, o, dyn_a, L->attn_conv_base, 1);
+        if (v2) o = dyn_conv(d, ctx, o, dyn_a, L->attn_conv_base, 1, B);
         h = ggml_add(ctx, h, o);
 
         struct ggml_tensor * v = rms(ctx, h, L->ffn_norm, hp->rms_eps);
         struct ggml_tensor * dyn_m = NULL;
         if (v2) {
             dyn_m = ggml_mul_mat(ctx, L->ffn_conv_proj, v);
-            v = dyn_conv(d, ctx, v, dyn_m, L->ffn_conv_base, 0);
+            v = dyn_conv(d, ctx, v, dyn_m, L->ffn_conv_base, 0, B);
         }
         struct ggml_tensor * g = ggml_silu(ctx, ggml_mul_mat(ctx, L->ffn_gate, v));
         struct ggml_tensor * m = ggml_mul(ctx, g, ggml_mul_mat(ctx, L->ffn_up, v));
         m = ggml_mul_mat(ctx, L->ffn_down, m);
-        if (v2) m = dyn_conv(d, ctx, m, dyn_m, L->ffn_conv_base, 1);
+        if (v2) m = dyn_conv(d, ctx, m, dyn_m, L->ffn_conv_base, 1, B);
         h = ggml_add(ctx, h, m);
     }
-    (void) n_kv_embd;
 
-    // Slot 0 (the anchor) predicts nothing: drop it before the head.
-    struct ggml_tensor * z = ggml_view_2d(ctx, h, hp->n_embd, n_block - 1, h->nb[1], h->nb[1]);
+    // Slot 0 (the anchor) of every block predicts nothing: drop it before the head.
+    const int64_t n = B - 1;
+    struct ggml_tensor * z = ggml_view_3d(ctx, h, hp->n_embd, n, n_seq, h->nb[1], h->nb[1] * B, h->nb[1]);
+    z = ggml_reshape_2d(ctx, ggml_cont(ctx, z), hp->n_embd, n * n_seq);
     z = rms(ctx, z, d->out_norm, hp->rms_eps);
-    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->head, z); // [n_vocab, n_block-1]
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->head, z); // [n_vocab, n * n_seq]
     if (hp->logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp->logit_scale);
     if (hp->softcap > 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp->softcap)), hp->softcap);
@@ -439,7 +469,7 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, int3
         ggml_build_forward_expand(G->gf, G->logits);
     }
     if (hp->version == 2) {
-        build_selector(d, G, ctx, z, logits);
+        build_selector(d, G, ctx, z, logits, n, n_seq);
         return true;
     }
     if (want_topk) {
@@ -471,8 +501,6 @@ static void fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool 
     }
 }
 
-// Run inject(n_feat rows from pending) [+ block]; on success the injected rows
-// become cached.
 // A sampled draft (T > 0): its temperature, random state and proposal outputs.
 struct dflash_sample_req {
     float temperature;
@@ -513,12 +541,41 @@ static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash
     return pick;
 }
 
-static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anchor, int32_t n_block,
-                         int32_t * out_tokens, float * out_logits, struct dflash_sample_req * samp,
-                         char * err, size_t err_len) {
+// DFlash2: walk one block's lattice from its anchor (greedy, sampled, or greedy with
+// a p_min cut-off); returns the tokens produced.
+static int32_t walk(const struct dflash_drafter_info * hp, const int32_t * cand, const float * scores, int32_t n,
+                    int32_t * out_tokens, struct dflash_sample_req * samp) {
+    const int32_t K = hp->selector_top_k;
+    int32_t prev = 0;
+    for (int32_t k = 0; k < n; k++) {
+        const float * row = scores + ((size_t) k * K + prev) * K;
+        int32_t best = 0;
+        if (samp && samp->rng) {
+            // sampled walk: q conditioned on the drafted predecessor
+            best = sample_softmax(row, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
+            memcpy(samp->cand + (size_t) k * K, cand + (size_t) k * K, sizeof(int32_t) * K);
+        } else {
+            for (int32_t j = 1; j < K; j++) {
+                if (row[j] > row[best]) best = j;
+            }
+            if (samp && samp->p_min > 0.0f && softmax_at(row, K, best) < samp->p_min) return k;
+        }
+        out_tokens[k] = cand[k * K + best];
+        prev = best;
+    }
+    return n;
+}
+
+// Run one graph over n_seq states: inject their pending rows (which become cached)
+// and, if n_block > 0, draft n_block - 1 tokens after each anchor.  out_tokens /
+// out_logits hold n_seq consecutive rows of n_block - 1.  samp (one state only)
+// requests sampling or a p_min cut-off.
+static int32_t run_graph(struct dflash_drafter * d, struct dflash_state ** sts, int32_t n_seq,
+                         const int32_t * anchors, int32_t n_block, int32_t * out_tokens, float * out_logits,
+                         struct dflash_sample_req * samp, char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &d->hp;
     struct dflash_graph G;
-    if (!build_graph(d, &G, n_feat, n_block, out_logits != NULL, samp && hp->version == 1)) {
+    if (!build_graph(d, &G, sts, n_seq, n_block, out_logits != NULL, samp && hp->version == 1)) {
         dflash_seterr(err, err_len, "failed to build the drafter graph");
         return -1;
     }
@@ -528,83 +585,72 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         dflash_seterr(err, err_len, "failed to allocate the drafter graph");
         return -1;
     }
-    const int32_t off = d->n_cached;
-    if (n_feat > 0) {
-        ggml_backend_tensor_set(G.feat, d->pending, 0, sizeof(float) * (size_t) n_feat * d->n_embd_inp);
-        int32_t * pos = malloc(sizeof(int32_t) * n_feat);
-        for (int32_t i = 0; i < n_feat; i++) pos[i] = off + i;
-        ggml_backend_tensor_set(G.feat_pos, pos, 0, sizeof(int32_t) * n_feat);
+    for (int32_t s = 0; s < n_seq; s++) {
+        struct dflash_state * st = sts[s];
+        if (!G.feat[s]) continue;
+        ggml_backend_tensor_set(G.feat[s], st->pending, 0, sizeof(float) * (size_t) st->n_pending * d->n_embd_inp);
+        int32_t * pos = malloc(sizeof(int32_t) * st->n_pending);
+        for (int32_t i = 0; i < st->n_pending; i++) pos[i] = st->n_cached + i;
+        ggml_backend_tensor_set(G.feat_pos[s], pos, 0, sizeof(int32_t) * st->n_pending);
         free(pos);
     }
     if (n_block > 0) {
-        const int32_t a = off + n_feat;
-        int32_t * buf = malloc(sizeof(int32_t) * n_block * 2);
-        for (int32_t i = 0; i < n_block; i++) {
-            buf[i] = i == 0 ? anchor : hp->mask_token_id;
-            buf[n_block + i] = a + i;
-        }
-        ggml_backend_tensor_set(G.tokens, buf, 0, sizeof(int32_t) * n_block);
-        if (G.anchor) ggml_backend_tensor_set(G.anchor, &anchor, 0, sizeof(int32_t));
-        ggml_backend_tensor_set(G.block_pos, buf + n_block, 0, sizeof(int32_t) * n_block);
-        free(buf);
-        if (G.mask_full || G.mask_swa) {
-            float * m = malloc(sizeof(float) * (size_t) G.n_kv * n_block);
-            if (G.mask_full) {
-                fill_mask(m, G.n_kv, n_block, a, hp->causal, 0);
-                ggml_backend_tensor_set(G.mask_full, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+        const size_t N = (size_t) n_block * n_seq;
+        int32_t * buf = malloc(sizeof(int32_t) * N * 2);
+        for (int32_t s = 0; s < n_seq; s++) {
+            const int32_t a = sts[s]->n_cached + sts[s]->n_pending;
+            for (int32_t i = 0; i < n_block; i++) {
+                buf[s * n_block + i] = i == 0 ? anchors[s] : hp->mask_token_id;
+                buf[N + s * n_block + i] = a + i;
             }
-            if (G.mask_swa) {
-                fill_mask(m, G.n_kv, n_block, a, hp->causal, hp->n_swa);
-                ggml_backend_tensor_set(G.mask_swa, m, 0, sizeof(float) * (size_t) G.n_kv * n_block);
+        }
+        ggml_backend_tensor_set(G.tokens, buf, 0, sizeof(int32_t) * N);
+        ggml_backend_tensor_set(G.block_pos, buf + N, 0, sizeof(int32_t) * N);
+        free(buf);
+        if (G.anchor) ggml_backend_tensor_set(G.anchor, anchors, 0, sizeof(int32_t) * n_seq);
+        for (int32_t s = 0; s < n_seq; s++) {
+            if (!G.mask_full[s] && !G.mask_swa[s]) continue;
+            const int32_t a = sts[s]->n_cached + sts[s]->n_pending;
+            float * m = malloc(sizeof(float) * (size_t) G.n_kv[s] * n_block);
+            if (G.mask_full[s]) {
+                fill_mask(m, G.n_kv[s], n_block, a, hp->causal, 0);
+                ggml_backend_tensor_set(G.mask_full[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
+            }
+            if (G.mask_swa[s]) {
+                fill_mask(m, G.n_kv[s], n_block, a, hp->causal, hp->n_swa);
+                ggml_backend_tensor_set(G.mask_swa[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
             }
             free(m);
         }
     }
-    enum ggml_status st = ggml_backend_sched_graph_compute(d->sched, G.gf);
-    if (st != GGML_STATUS_SUCCESS) {
+    enum ggml_status status = ggml_backend_sched_graph_compute(d->sched, G.gf);
+    if (status != GGML_STATUS_SUCCESS) {
         ggml_free(G.ctx);
-        dflash_seterr(err, err_len, "drafter graph compute failed (status %d)", (int) st);
+        dflash_seterr(err, err_len, "drafter graph compute failed (status %d)", (int) status);
         return -1;
     }
-    if (n_feat > 0) {
-        d->n_cached += n_feat;
-        d->n_pending -= n_feat;
-        memmove(d->pending, d->pending + (size_t) n_feat * d->n_embd_inp,
-                sizeof(float) * (size_t) d->n_pending * d->n_embd_inp);
+    for (int32_t s = 0; s < n_seq; s++) {
+        sts[s]->n_cached += sts[s]->n_pending;
+        sts[s]->n_pending = 0;
     }
+    const int32_t n = n_block - 1;
     if (n_block > 0 && hp->version == 2) {
-        // Greedy walk from the anchor over the lattice (first index on ties).
-        const int32_t n = n_block - 1, K = hp->selector_top_k;
-        ggml_backend_tensor_get(G.cand, d->last_cand, 0, sizeof(int32_t) * (size_t) n * K);
-        ggml_backend_tensor_get(G.scores, d->last_scores, 0, sizeof(float) * (size_t) n * K * K);
-        d->last_n = n;
-        int32_t prev = 0, n_out = n;
-        for (int32_t k = 0; k < n; k++) {
-            const float * row = d->last_scores + ((size_t) k * K + prev) * K;
-            int32_t best = 0;
-            if (samp && samp->rng) {
-                // sampled walk: q conditioned on the drafted predecessor
-                best = sample_softmax(row, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
-                memcpy(samp->cand + (size_t) k * K, d->last_cand + (size_t) k * K, sizeof(int32_t) * K);
-            } else {
-                for (int32_t j = 1; j < K; j++) {
-                    if (row[j] > row[best]) best = j;
-                }
-                if (samp && samp->p_min > 0.0f && softmax_at(row, K, best) < samp->p_min) {
-                    n_out = k;
-                    break;
-                }
+        const int32_t K = hp->selector_top_k;
+        const size_t nk = (size_t) n * K;
+        for (int32_t s = 0; s < n_seq; s++) {
+            struct dflash_state * st = sts[s];
+            ggml_backend_tensor_get(G.cand, st->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
+            ggml_backend_tensor_get(G.scores, st->last_scores, sizeof(float) * nk * K * s, sizeof(float) * nk * K);
+            st->last_n = n;
+            const int32_t got = walk(hp, st->last_cand, st->last_scores, n, out_tokens + (size_t) s * n, samp);
+            if (samp) {
+                samp->k = K;
+                samp->n_out = got;
             }
-            out_tokens[k] = d->last_cand[k * K + best];
-            prev = best;
-        }
-        if (samp) {
-            samp->k = K;
-            samp->n_out = n_out;
         }
     } else if (n_block > 0 && samp) {
-        // v1: every slot sampled independently from its top candidates
-        const int32_t n = n_block - 1, K = (int32_t) G.cand->ne[0];
+        // v1: every slot sampled independently from its top candidates (or cut at p_min)
+        const int32_t K = (int32_t) G.cand->ne[0];
         float * lg = malloc(sizeof(float) * (size_t) n * K);
         ggml_backend_tensor_get(G.cand, samp->cand, 0, sizeof(int32_t) * (size_t) n * K);
         ggml_backend_tensor_get(G.scores, lg, 0, sizeof(float) * (size_t) n * K);
@@ -626,10 +672,10 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
         free(lg);
         samp->k = K;
     } else if (n_block > 0) {
-        ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (n_block - 1));
+        ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (size_t) n * n_seq);
     }
     if (n_block > 0 && out_logits) {
-        ggml_backend_tensor_get(G.logits, out_logits, 0, sizeof(float) * (size_t) (n_block - 1) * hp->n_vocab);
+        ggml_backend_tensor_get(G.logits, out_logits, 0, sizeof(float) * (size_t) n * n_seq * hp->n_vocab);
     }
     ggml_free(G.ctx);
     return 0;
@@ -641,15 +687,11 @@ static int32_t run_graph(struct dflash_drafter * d, int32_t n_feat, int32_t anch
 void dflash_drafter_free(dflash_drafter * d) {
     if (!d) return;
     if (d->sched) ggml_backend_sched_free(d->sched);
+    dflash_state_free(d->def);
     if (d->buf_w) ggml_backend_buffer_free(d->buf_w);
-    if (d->buf_kv) ggml_backend_buffer_free(d->buf_kv);
     if (d->ctx_w) ggml_free(d->ctx_w);
-    if (d->ctx_kv) ggml_free(d->ctx_kv);
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
-    free(d->pending);
-    free(d->last_cand);
-    free(d->last_scores);
     free(d);
 }
 
@@ -987,51 +1029,33 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         }
     }
 
-    // Context cache.
+    // Scheduler, sized by the largest single-sequence graph: a full context, a full
+    // injection chunk and a full block (larger batched graphs grow it on demand).
     if (ok) {
         hp->n_ctx = n_ctx;
-        struct ggml_init_params ip = { (size_t) (2 * hp->n_layer + 1) * ggml_tensor_overhead(), NULL, true };
-        d->ctx_kv = ggml_init(ip);
-        for (int il = 0; il < hp->n_layer; il++) {
-            d->layers[il].k_cache = ggml_new_tensor_2d(d->ctx_kv, GGML_TYPE_F32, kvd, n_ctx);
-            d->layers[il].v_cache = ggml_new_tensor_2d(d->ctx_kv, GGML_TYPE_F32, n_ctx, kvd);
-        }
-        d->buf_kv = ggml_backend_alloc_ctx_tensors(d->ctx_kv, d->backends[0]);
-        if (!d->buf_kv) {
-            dflash_seterr(err, err_len, "out of memory allocating the drafter cache (n_ctx %d)", n_ctx);
-            ok = false;
-        } else {
-            ggml_backend_buffer_clear(d->buf_kv, 0);
-        }
-    }
-
-    // Scheduler, sized by the largest graph we will build.
-    if (ok) {
         d->meta_size = ggml_tensor_overhead() * DFLASH_GRAPH_SIZE + ggml_graph_overhead_custom(DFLASH_GRAPH_SIZE, false);
         d->meta_buf = malloc(d->meta_size);
         d->sched = ggml_backend_sched_new(d->backends, NULL, d->n_backends, DFLASH_GRAPH_SIZE, false, true);
-        if (hp->version == 2) {
-            const size_t nk = (size_t) hp->block_size * hp->selector_top_k;
-            d->last_cand = malloc(sizeof(int32_t) * nk);
-            d->last_scores = malloc(sizeof(float) * nk * hp->selector_top_k);
-        }
-        d->pending_cap = DFLASH_INJECT_CHUNK;
-        d->pending = malloc(sizeof(float) * (size_t) d->pending_cap * d->n_embd_inp);
-        const int32_t n_feat = n_ctx - hp->block_size < DFLASH_INJECT_CHUNK ? (n_ctx - hp->block_size > 1 ? n_ctx - hp->block_size : 1)
-                                                                            : DFLASH_INJECT_CHUNK;
-        const int32_t saved = d->n_cached;
-        d->n_cached = n_ctx - hp->block_size - n_feat;
-        if (d->n_cached < 0) d->n_cached = 0;
+        d->def = dflash_state_new(d, err, err_len);
+        ok = d->def != NULL;
+    }
+    if (ok) {
+        struct dflash_state * st = d->def;
+        const int32_t n_block = hp->block_size <= n_ctx ? hp->block_size : n_ctx;
+        int32_t n_feat = n_ctx - n_block < DFLASH_INJECT_CHUNK ? n_ctx - n_block : DFLASH_INJECT_CHUNK;
+        if (n_feat < 1) n_feat = 1;
+        st->n_pending = n_feat;
+        st->n_cached = n_ctx - n_block - n_feat > 0 ? n_ctx - n_block - n_feat : 0;
         struct dflash_graph G;
-        int32_t n_block = hp->block_size <= n_ctx ? hp->block_size : n_ctx;
-        if (n_block >= 2 && build_graph(d, &G, n_feat, n_block, true, false)) {
+        if (n_block >= 2 && build_graph(d, &G, &st, 1, n_block, true, false)) {
             if (!ggml_backend_sched_reserve(d->sched, G.gf)) {
                 dflash_seterr(err, err_len, "out of memory reserving the drafter compute buffer");
                 ok = false;
             }
             ggml_free(G.ctx);
         }
-        d->n_cached = saved;
+        st->n_pending = 0;
+        st->n_cached = 0;
     }
 
     gguf_free(g);
@@ -1050,7 +1074,7 @@ void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_inf
 void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_memory * out) {
     memset(out, 0, sizeof(*out));
     out->weights = d->buf_w ? ggml_backend_buffer_get_size(d->buf_w) : 0;
-    out->cache = d->buf_kv ? ggml_backend_buffer_get_size(d->buf_kv) : 0;
+    out->cache = d->def && d->def->buf_kv ? ggml_backend_buffer_get_size(d->def->buf_kv) : 0;
     for (int i = 0; i < d->n_backends; i++) out->compute += ggml_backend_sched_get_buffer_size(d->sched, d->backends[i]);
     out->borrows_embedding = !d->own_embd;
     out->borrows_head = !d->own_head;
@@ -1058,58 +1082,99 @@ void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_m
     if (!d->own_head && d->head != d->tok_embd) out->borrowed += ggml_nbytes(d->head);
 }
 
-void dflash_drafter_reset(dflash_drafter * d) {
-    d->n_cached = 0;
-    d->n_pending = 0;
-}
+// ---- states (one per sequence) ----------------------------------------------
 
-int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) {
-    if (n < 0) return -1;
-    if (n < d->n_cached) {
-        d->n_cached = n;
-        d->n_pending = 0;
-    } else if (n < d->n_cached + d->n_pending) {
-        d->n_pending = n - d->n_cached;
+dflash_state * dflash_state_new(dflash_drafter * d, char * err, size_t err_len) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    const int64_t kvd = (int64_t) hp->head_dim * hp->n_head_kv;
+    struct dflash_state * st = calloc(1, sizeof(*st));
+    st->d = d;
+    struct ggml_init_params ip = { (size_t) (2 * hp->n_layer + 1) * ggml_tensor_overhead(), NULL, true };
+    st->ctx_kv = ggml_init(ip);
+    for (int il = 0; il < hp->n_layer; il++) {
+        st->k_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, kvd, hp->n_ctx);
+        st->v_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, hp->n_ctx, kvd);
     }
-    return dflash_drafter_n_ctx_used(d);
+    st->buf_kv = ggml_backend_alloc_ctx_tensors(st->ctx_kv, d->backends[0]);
+    st->pending_cap = DFLASH_INJECT_CHUNK;
+    st->pending = malloc(sizeof(float) * (size_t) st->pending_cap * d->n_embd_inp);
+    if (hp->version == 2) {
+        const size_t nk = (size_t) hp->block_size * hp->selector_top_k;
+        st->last_cand = malloc(sizeof(int32_t) * nk);
+        st->last_scores = malloc(sizeof(float) * nk * hp->selector_top_k);
+    }
+    if (!st->buf_kv || !st->pending || (hp->version == 2 && (!st->last_cand || !st->last_scores))) {
+        dflash_state_free(st);
+        dflash_seterr(err, err_len, "out of memory allocating a drafter context of %d positions", hp->n_ctx);
+        return NULL;
+    }
+    ggml_backend_buffer_clear(st->buf_kv, 0);
+    return st;
 }
 
-int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores) {
-    if (d->hp.version != 2) return -1;
-    const size_t nk = (size_t) d->last_n * d->hp.selector_top_k;
-    if (cand) memcpy(cand, d->last_cand, sizeof(int32_t) * nk);
-    if (scores) memcpy(scores, d->last_scores, sizeof(float) * nk * d->hp.selector_top_k);
-    return d->last_n;
+void dflash_state_free(dflash_state * st) {
+    if (!st) return;
+    if (st->buf_kv) ggml_backend_buffer_free(st->buf_kv);
+    if (st->ctx_kv) ggml_free(st->ctx_kv);
+    free(st->pending);
+    free(st->last_cand);
+    free(st->last_scores);
+    free(st);
 }
 
-int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d) {
-    return d->n_cached + d->n_pending;
+void dflash_state_reset(dflash_state * st) {
+    st->n_cached = 0;
+    st->n_pending = 0;
 }
 
-int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows, char * err, size_t err_len) {
+int32_t dflash_state_truncate(dflash_state * st, int32_t n) {
+    if (n < 0) return -1;
+    if (n < st->n_cached) {
+        st->n_cached = n;
+        st->n_pending = 0;
+    } else if (n < st->n_cached + st->n_pending) {
+        st->n_pending = n - st->n_cached;
+    }
+    return dflash_state_n_ctx_used(st);
+}
+
+int32_t dflash_state_n_ctx_used(const dflash_state * st) {
+    return st->n_cached + st->n_pending;
+}
+
+int32_t dflash_state_push(dflash_state * st, const float * rows, int32_t n_rows, char * err, size_t err_len) {
+    struct dflash_drafter * d = st->d;
     if (n_rows < 0) return -1;
-    if (d->n_cached + d->n_pending + n_rows > d->hp.n_ctx) {
+    if (st->n_cached + st->n_pending + n_rows > d->hp.n_ctx) {
         dflash_seterr(err, err_len, "drafter context overflow: %d + %d positions exceed n_ctx %d",
-                      d->n_cached + d->n_pending, n_rows, d->hp.n_ctx);
+                      st->n_cached + st->n_pending, n_rows, d->hp.n_ctx);
         return -1;
     }
     while (n_rows > 0) {
-        if (d->n_pending == d->pending_cap) {
-            if (run_graph(d, d->n_pending, 0, 0, NULL, NULL, NULL, err, err_len) != 0) return -1;
+        if (st->n_pending == st->pending_cap) {
+            if (run_graph(d, &st, 1, NULL, 0, NULL, NULL, NULL, err, err_len) != 0) return -1;
         }
-        int32_t take = d->pending_cap - d->n_pending;
+        int32_t take = st->pending_cap - st->n_pending;
         if (take > n_rows) take = n_rows;
-        memcpy(d->pending + (size_t) d->n_pending * d->n_embd_inp, rows,
-               sizeof(float) * (size_t) take * d->n_embd_inp);
-        d->n_pending += take;
+        memcpy(st->pending + (size_t) st->n_pending * d->n_embd_inp, rows, sizeof(float) * (size_t) take * d->n_embd_inp);
+        st->n_pending += take;
         rows += (size_t) take * d->n_embd_inp;
         n_rows -= take;
     }
     return 0;
 }
 
-static bool check_draft_args(const dflash_drafter * d, int32_t anchor, int32_t n, char * err, size_t err_len) {
-    const struct dflash_drafter_info * hp = &d->hp;
+int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float * scores) {
+    const struct dflash_drafter_info * hp = &st->d->hp;
+    if (hp->version != 2) return -1;
+    const size_t nk = (size_t) st->last_n * hp->selector_top_k;
+    if (cand) memcpy(cand, st->last_cand, sizeof(int32_t) * nk);
+    if (scores) memcpy(scores, st->last_scores, sizeof(float) * nk * hp->selector_top_k);
+    return st->last_n;
+}
+
+static bool check_draft_args(const dflash_state * st, int32_t anchor, int32_t n, char * err, size_t err_len) {
+    const struct dflash_drafter_info * hp = &st->d->hp;
     if (n < 1 || n > hp->block_size - 1) {
         dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, hp->block_size - 1, hp->block_size);
         return false;
@@ -1118,26 +1183,65 @@ static bool check_draft_args(const dflash_drafter * d, int32_t anchor, int32_t n
         dflash_seterr(err, err_len, "anchor token %d is outside the vocabulary", anchor);
         return false;
     }
-    if (d->n_cached + d->n_pending + n + 1 > hp->n_ctx) {
+    if (st->n_cached + st->n_pending + n + 1 > hp->n_ctx) {
         dflash_seterr(err, err_len, "drafter context overflow: %d positions + block %d exceed n_ctx %d",
-                      d->n_cached + d->n_pending, n + 1, hp->n_ctx);
+                      st->n_cached + st->n_pending, n + 1, hp->n_ctx);
         return false;
     }
     return true;
 }
 
+int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, int32_t n_seq, const int32_t * anchors,
+                                   int32_t n, int32_t * out_tokens, float * out_logits, char * err, size_t err_len) {
+    if (n_seq < 1 || n_seq > DFLASH_MAX_SEQ) {
+        dflash_seterr(err, err_len, "a batched draft takes 1..%d sequences (got %d)", DFLASH_MAX_SEQ, n_seq);
+        return -1;
+    }
+    for (int32_t s = 0; s < n_seq; s++) {
+        if (!states[s] || states[s]->d != d) {
+            dflash_seterr(err, err_len, "state %d does not belong to this drafter", s);
+            return -1;
+        }
+        for (int32_t r = 0; r < s; r++) {
+            if (states[r] == states[s]) {
+                dflash_seterr(err, err_len, "state %d appears twice in the batch", s);
+                return -1;
+            }
+        }
+        if (!check_draft_args(states[s], anchors[s], n, err, err_len)) return -1;
+    }
+    return run_graph(d, states, n_seq, anchors, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+}
+
+// ---- the single-sequence API: the drafter's own state --------------------------
+
+void dflash_drafter_reset(dflash_drafter * d) { dflash_state_reset(d->def); }
+
+int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) { return dflash_state_truncate(d->def, n); }
+
+int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d) { return dflash_state_n_ctx_used(d->def); }
+
+int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows, char * err, size_t err_len) {
+    return dflash_state_push(d->def, rows, n_rows, err, err_len);
+}
+
+int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores) {
+    return dflash_state_last_lattice(d->def, cand, scores);
+}
+
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min, int32_t * out_tokens,
                              float * out_logits, char * err, size_t err_len) {
-    if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
+    struct dflash_state * st = d->def;
+    if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     if (!(p_min > 0.0f)) {
-        return run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+        return run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
     }
     // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
     const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
     int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
     float * q = malloc(sizeof(float) * (size_t) n * K);
     struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, 0 };
-    const int32_t rc = run_graph(d, d->n_pending, anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
+    const int32_t rc = run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
     free(cand);
     free(q);
     return rc ? -1 : req.n_out;
@@ -1146,13 +1250,14 @@ int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, floa
 int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
                                     struct dflash_rng * rng, int32_t * out_tokens, int32_t * out_cand,
                                     float * out_q, int32_t * out_k, char * err, size_t err_len) {
+    struct dflash_state * st = d->def;
     if (!(temperature > 0.0f)) {
         dflash_seterr(err, err_len, "sampled drafting needs a temperature > 0 (got %g)", (double) temperature);
         return -1;
     }
-    if (!check_draft_args(d, anchor, n, err, err_len)) return -1;
+    if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, 0 };
-    if (run_graph(d, d->n_pending, anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
+    if (run_graph(d, &st, 1, &anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return 0;
 }

@@ -217,3 +217,40 @@ def test_p_min_cuts_the_walk(artifacts, load_model, v2_drafter):
         want = next((k for k, c in enumerate(conf) if c < thr), 7)
         assert d.draft(55, 7, p_min=thr) == full[:want]
     d.close()
+
+
+@pytest.mark.parametrize("which", ["v1", "v2", "v1_causal_swa"])
+def test_batched_blocks_equal_each_alone(artifacts, load_model, v2_drafter, tmp_path, which):
+    """Several sequences' blocks in one graph: nothing leaks between blocks (convolution taps,
+    attention, selector predecessors), every sequence gets what it gets alone."""
+    from models import drafter_config, write_random_drafter
+
+    a = artifacts["llama"]
+    path = {"v1": a["drafter"], "v2": v2_drafter}.get(which)
+    if path is None:
+        cfg = drafter_config(a["spec"], causal=True, sliding_window=9, swa_layers=[True, False])
+        path = write_random_drafter(str(tmp_path / "cs.gguf"), a["target"], cfg, seed=9)
+    model = load_model(a["target"])
+    d = Drafter(path, model, n_ctx=256, n_threads=2)
+    rng = np.random.default_rng(11)
+    lengths, anchors = [5, 40, 17], [100, 200, 300]
+    feats = [rng.standard_normal((m, 192)).astype(np.float32) for m in lengths]
+    states = [d.new_state() for _ in lengths]
+    for st, f in zip(states, feats, strict=True):
+        st.push(f)
+    ids, logits = d.draft_batch(states, anchors, 7, return_logits=True)
+    lattices = [st.last_lattice() for st in states] if which == "v2" else None
+    for s, (f, anc) in enumerate(zip(feats, anchors, strict=True)):
+        d.reset()
+        d.push(f)
+        alone, lg = d.draft(anc, 7, return_logits=True)
+        assert ids[s] == alone
+        assert np.abs(logits[s] - lg).max() < 1e-3
+        if lattices:
+            c, sc = d.last_lattice()
+            assert (lattices[s][0] == c).all() and np.abs(lattices[s][1] - sc).max() < 1e-3
+    # the states kept their own contexts (the block is scratch), and a second round still matches
+    assert [st.n_ctx_used for st in states] == lengths
+    with pytest.raises(Exception, match="appears twice"):
+        d.draft_batch([states[0], states[0]], [1, 2], 3)
+    d.close()

@@ -148,14 +148,27 @@ class Drafter:
     def last_lattice(self) -> tuple[np.ndarray, np.ndarray]:
         """DFlash2: (cand [n, K], scores [n, K, K]) of the last draft; scores[k, a, b] is candidate b
         of slot k after candidate a of slot k-1 (slot 0: after the anchor)."""
-        if self.info.version != 2:
-            raise DFlashError("only DFlash2 drafters have a candidate lattice")
-        K = self.info.selector_top_k
-        cand = np.empty((self.info.block_size, K), np.int32)
-        scores = np.empty((self.info.block_size, K, K), np.float32)
-        n = lib.dflash_drafter_last_lattice(self._d, ffi.from_buffer("int32_t[]", cand),
-                                            ffi.from_buffer("float[]", scores))
-        return cand[:n].copy(), scores[:n].copy()
+        return _read_lattice(self.info, lambda c, s: lib.dflash_drafter_last_lattice(self._d, c, s))
+
+    def new_state(self) -> DrafterState:
+        """A further sequence's context (the methods above use the drafter's own)."""
+        return DrafterState(self)
+
+    def draft_batch(self, states: list[DrafterState], anchors: list[int], n: int, return_logits: bool = False):
+        """Greedy drafts of n tokens for several sequences in one graph: [n_seq][n] ids
+        (and [n_seq, n, vocab] logits)."""
+        if len(states) != len(anchors):
+            raise ValueError("one anchor per state")
+        arr = ffi.new("dflash_state *[]", [st._st for st in states])
+        toks = ffi.new("int32_t[]", max(1, n * len(states)))
+        logits = np.empty((len(states), n, self.info.n_vocab), np.float32) if return_logits else None
+        lp = ffi.from_buffer("float[]", logits) if return_logits else ffi.NULL
+        err = _native.err_buf()
+        if lib.dflash_drafter_draft_batch(self._d, arr, len(states), ffi.new("int32_t[]", list(anchors)), n, toks, lp,
+                                          err, _native.ERR_LEN) < 0:
+            raise DFlashError(_native.err_str(err))
+        ids = [list(toks[s * n:(s + 1) * n]) for s in range(len(states))]
+        return (ids, logits) if return_logits else ids
 
     def close(self) -> None:
         if self._d is not None:
@@ -167,3 +180,38 @@ class Drafter:
             self.close()
         except Exception:
             pass
+
+
+class DrafterState:
+    """One more sequence's drafter context (cache of committed positions + queued features)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        err = _native.err_buf()
+        st = lib.dflash_state_new(drafter.handle, err, _native.ERR_LEN)
+        if st == ffi.NULL:
+            raise DFlashError(_native.err_str(err))
+        self._st = ffi.gc(st, lib.dflash_state_free)
+        self.drafter = drafter  # the state must not outlive its drafter
+
+    def push(self, features: np.ndarray) -> None:
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        err = _native.err_buf()
+        if lib.dflash_state_push(self._st, ffi.from_buffer("float[]", f), f.shape[0], err, _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+
+    @property
+    def n_ctx_used(self) -> int:
+        return lib.dflash_state_n_ctx_used(self._st)
+
+    def last_lattice(self) -> tuple[np.ndarray, np.ndarray]:
+        return _read_lattice(self.drafter.info, lambda c, s: lib.dflash_state_last_lattice(self._st, c, s))
+
+
+def _read_lattice(info: DrafterInfo, call) -> tuple[np.ndarray, np.ndarray]:
+    if info.version != 2:
+        raise DFlashError("only DFlash2 drafters have a candidate lattice")
+    K = info.selector_top_k
+    cand = np.empty((info.block_size, K), np.int32)
+    scores = np.empty((info.block_size, K, K), np.float32)
+    n = call(ffi.from_buffer("int32_t[]", cand), ffi.from_buffer("float[]", scores))
+    return cand[:n].copy(), scores[:n].copy()
