@@ -12,12 +12,13 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFWriter
 
-from ..gguf_io import DrafterConfig, TensorSource, write_drafter
+from ..gguf_io import DrafterConfig, TensorSource, copy_tokenizer, write_drafter
 from .safetensors_io import LazyTensor, SafetensorsError, open_checkpoint
 
 ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
@@ -35,11 +36,14 @@ class TargetInfo:
     n_layer: int
     n_vocab: int
     mrope: bool
-    reader: GGUFReader
+    write_vocab: Callable[[GGUFWriter], None]  # the target's tokenizer.* keys
 
 
 def read_target(path: str | os.PathLike) -> TargetInfo:
+    """The target's sizes and vocabulary, from its GGUF file or its HF directory."""
     p = Path(path)
+    if p.is_dir():
+        return read_target_hf(p)
     if not p.is_file():
         raise ConvertError(f"{p}: target GGUF not found")
     try:
@@ -52,7 +56,69 @@ def read_target(path: str | os.PathLike) -> TargetInfo:
         raise ConvertError(f"{p}: unreadable target GGUF ({e.__class__.__name__}: {e})") from None
     sec = r.fields.get(f"{arch}.rope.dimension_sections")
     mrope = sec is not None and sum(1 for x in sec.contents() if int(x) != 0) > 1
-    return TargetInfo(p, arch, n_embd, n_layer, n_vocab, mrope, r)
+    return TargetInfo(p, arch, n_embd, n_layer, n_vocab, mrope, lambda w: copy_tokenizer(r, w))
+
+
+def read_target_hf(d: Path) -> TargetInfo:
+    """A HF target directory: config.json and a byte-level BPE tokenizer.json.
+
+    The tokenizer keys are written as llama.cpp's "gpt2" model with the default
+    pre-tokenizer (the drafter's own vocabulary is only checked for size and the mask
+    id: drafting uses the target's token ids).
+    """
+    cfg_path, tok_path = d / "config.json", d / "tokenizer.json"
+    for f in (cfg_path, tok_path):
+        if not f.is_file():
+            raise ConvertError(f"{d}: target HF directory has no {f.name}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        tok = json.loads(tok_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{d}: unreadable target config or tokenizer ({e})") from None
+    text = cfg.get("text_config", cfg)
+    for k in ("hidden_size", "num_hidden_layers"):
+        if not isinstance(text.get(k), int):
+            raise ConvertError(f"{cfg_path}: {k}: missing")
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ConvertError(f"{tok_path}: model.type: only byte-level BPE tokenizers are supported here "
+                           f"(got {model.get('type')!r}); convert the target to GGUF and pass that instead")
+    added = {t["id"]: t for t in tok.get("added_tokens", [])}
+    vocab = dict(model["vocab"])
+    for t in added.values():
+        vocab.setdefault(t["content"], t["id"])
+    n_vocab = max(int(text.get("vocab_size", 0)), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [5] * n_vocab  # unused slots
+    for s_, i in vocab.items():
+        tokens[i] = s_
+        types[i] = (3 if added[i].get("special") else 4) if i in added else 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    tcfg_path = d / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+
+    def special_id(key: str):
+        v = tcfg.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        return vocab.get(v) if isinstance(v, str) else None
+
+    def write_vocab(w: GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                         ("unk_token", w.add_unk_token_id), ("pad_token", w.add_pad_token_id)):
+            i = special_id(key)
+            if i is not None:
+                add(i)
+        if isinstance(tcfg.get("chat_template"), str):
+            w.add_chat_template(tcfg["chat_template"])
+
+    rs = (text.get("rope_scaling") or {}).get("mrope_section")
+    return TargetInfo(d, str(text.get("model_type", "hf")), int(text["hidden_size"]),
+                      int(text["num_hidden_layers"]), n_vocab, bool(rs), write_vocab)
 
 
 def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
@@ -254,7 +320,10 @@ def _progress_bar(label: str):
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike, outfile: str | os.PathLike,
                        outtype: str = "f16", progress: bool = False) -> dict:
-    """Convert a HF drafter directory to a GGUF drafter; returns a summary dict."""
+    """Convert a HF drafter directory to a GGUF drafter; returns a summary dict.
+
+    target_gguf: the target's GGUF file, or its HF directory (config.json + BPE tokenizer.json).
+    """
     d = Path(hf_dir)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
@@ -293,7 +362,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     out = Path(outfile)
     tmp = out.with_name(out.name + ".part")
     try:
-        n = write_drafter(tmp, c, srcs, target.reader, outtype=outtype,
+        n = write_drafter(tmp, c, srcs, target.write_vocab, outtype=outtype,
                           progress=_progress_bar(f"converting to {outtype}") if progress else None)
         tmp.replace(out)
     except BaseException:

@@ -264,3 +264,50 @@ def test_mrope_target(artifacts, load_model, tmp_path):
     d.push(np.zeros((3, 192), np.float32))
     assert len(d.draft(20, 3)) == 3
     d.close()
+
+
+def hf_target_dir(tmp_path, n_layer=6, tokenizer_type="BPE"):
+    """The tiny llama target as a HF directory: config.json + tokenizer.json + tokenizer_config.json."""
+    from models import VOCAB, small_bpe_vocab
+
+    voc = small_bpe_vocab()
+    d = tmp_path / "target-hf"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": n_layer,
+                                               "vocab_size": VOCAB}))
+    specials = [{"id": i, "content": t, "special": True} for i, t in enumerate(voc["tokens"]) if voc["types"][i] == 3]
+    tok = {"model": {"type": tokenizer_type, "vocab": {t: i for i, t in enumerate(voc["tokens"])},
+                     "merges": voc["merges"]}, "added_tokens": specials}
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return d
+
+
+def test_target_as_hf_directory(artifacts, load_model, tmp_path):
+    from gguf import GGUFReader
+
+    a = artifacts["llama"]
+    hf, _, _ = make_variant(tmp_path, "v1_toplevel")
+    convert_hf_to_gguf(hf, hf_target_dir(tmp_path), tmp_path / "from-hf.gguf", outtype="f32")
+    convert_hf_to_gguf(hf, a["target"], tmp_path / "from-gguf.gguf", outtype="f32")
+    r1, r2 = GGUFReader(str(tmp_path / "from-hf.gguf")), GGUFReader(str(tmp_path / "from-gguf.gguf"))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.mask_token_id"):
+        assert r1.fields[key].contents() == r2.fields[key].contents(), key
+    model = load_model(a["target"])
+    feats = np.random.default_rng(9).standard_normal((10, 192)).astype(np.float32)
+    outs = []
+    for f in ("from-hf.gguf", "from-gguf.gguf"):
+        d = Drafter(tmp_path / f, model, n_ctx=64, n_threads=2)
+        d.push(feats)
+        outs.append(d.draft(33, 5))
+        d.close()
+    up = UpstreamDrafter(str(tmp_path / "from-hf.gguf"), model, n_ctx=64)  # loads upstream too
+    up.push(feats)
+    up.close()
+    assert outs[0] == outs[1]
+    with pytest.raises(ConvertError, match="only byte-level BPE tokenizers"):
+        convert_hf_to_gguf(hf, hf_target_dir(tmp_path / "u", tokenizer_type="Unigram"), tmp_path / "x.gguf")
+    (tmp_path / "u" / "target-hf" / "tokenizer.json").unlink()
+    with pytest.raises(ConvertError, match="has no tokenizer.json"):
+        convert_hf_to_gguf(hf, tmp_path / "u" / "target-hf", tmp_path / "x.gguf")

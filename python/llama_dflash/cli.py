@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     c = sub.add_parser("convert", help="HF DFlash/DFlash2 checkpoint -> GGUF drafter")
     c.add_argument("hf_dir")
-    c.add_argument("--target", required=True, help="the target model's GGUF (vocabulary, sizes)")
+    c.add_argument("--target", required=True, help="the target model's GGUF, or its HF directory (vocabulary, sizes)")
     c.add_argument("--outfile", required=True)
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     c.add_argument("--verbose", action="store_true")

@@ -143,11 +143,14 @@ def write_drafter(
     path: str | os.PathLike,
     cfg: DrafterConfig,
     tensors: Mapping[str, np.ndarray] | Iterable[TensorSource],
-    target_gguf: str | os.PathLike | GGUFReader,
+    target_gguf: str | os.PathLike | GGUFReader | Callable[[GGUFWriter], None],
     outtype: str = "f32",
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Write a drafter GGUF; returns the number of tensors.
+
+    target_gguf: the target's GGUF (its tokenizer keys are copied), or a function that
+    writes the target's tokenizer keys.
 
     tensors: GGUF names -> arrays in PyTorch [out, in] order, or TensorSources,
     which are loaded one at a time (peak memory ~ the largest tensor).
@@ -158,7 +161,13 @@ def write_drafter(
     if isinstance(tensors, Mapping):
         tensors = [TensorSource(k, tuple(v.shape), (lambda v=v: v)) for k, v in tensors.items()]
     srcs = list(tensors)
-    src = target_gguf if isinstance(target_gguf, GGUFReader) else GGUFReader(os.fspath(target_gguf))
+    if callable(target_gguf):  # writes the target's tokenizer keys itself (e.g. from a HF directory)
+        write_vocab = target_gguf
+    else:
+        src = target_gguf if isinstance(target_gguf, GGUFReader) else GGUFReader(os.fspath(target_gguf))
+
+        def write_vocab(w: GGUFWriter) -> None:
+            copy_tokenizer(src, w)
     w = GGUFWriter(os.fspath(path), ARCH)
     w.add_block_count(cfg.n_layer)
     w.add_context_length(cfg.context_length)
@@ -191,7 +200,7 @@ def write_drafter(
         w.add_float32(f"{ARCH}.logit_scale", cfg.logit_scale)
     if cfg.softcap > 0:
         w.add_float32(f"{ARCH}.final_logit_softcapping", cfg.softcap)
-    copy_tokenizer(src, w)
+    write_vocab(w)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
 
     types = [tensor_type(t.name, t.shape, outtype) for t in srcs]
