@@ -99,14 +99,17 @@ class GroupedDynamicConv(nn.Module):
         """Dynamic taps of every slot from the normed sub-layer input: [B, 2, K, G]."""
         return self.kernel_projection(u).view(u.shape[0], 2, self.k, self.n_groups)
 
-    def apply(self, x: torch.Tensor, taps: torch.Tensor, side: int) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for t in range(min(self.k, x.shape[0])):
+    def apply(self, x: torch.Tensor, taps: torch.Tensor, side: int, block: int | None = None) -> torch.Tensor:
+        """x: [n_blocks * block, H] (blocks laid out contiguously; default: one block)."""
+        block = block or x.shape[0]
+        xb = x.view(-1, block, x.shape[-1])
+        out = torch.zeros_like(xb)
+        for t in range(min(self.k, block)):
             kern = self.base_kernel[side, t] + taps[:, side, t].repeat_interleave(self.g, dim=-1)
-            shifted = torch.zeros_like(x)
-            shifted[t:] = x[: x.shape[0] - t]
-            out = out + kern * shifted
-        return out
+            shifted = torch.zeros_like(xb)
+            shifted[:, t:] = xb[:, : block - t]
+            out = out + kern.view_as(xb) * shifted
+        return out.view_as(x)
 
 
 class Layer(nn.Module):
@@ -120,15 +123,16 @@ class Layer(nn.Module):
             self.attention_conv = GroupedDynamicConv(cfg)
             self.mlp_conv = GroupedDynamicConv(cfg)
 
-    def forward(self, h, ctx, ctx_pos, pos, mask):
+    def forward(self, h, ctx, ctx_pos, pos, mask, block: int | None = None):
         u = self.input_layernorm(h)
         if hasattr(self, "attention_conv"):
-            ta = self.attention_conv.taps(u)
-            a = self.self_attn(self.attention_conv.apply(u, ta, 0), ctx, ctx_pos, pos, mask)
-            h = h + self.attention_conv.apply(a, ta, 1)
+            ac, mc = self.attention_conv, self.mlp_conv
+            ta = ac.taps(u)
+            a = self.self_attn(ac.apply(u, ta, 0, block), ctx, ctx_pos, pos, mask)
+            h = h + ac.apply(a, ta, 1, block)
             v = self.post_attention_layernorm(h)
-            tm = self.mlp_conv.taps(v)
-            return h + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(v, tm, 0)), tm, 1)
+            tm = mc.taps(v)
+            return h + mc.apply(self.mlp(mc.apply(v, tm, 0, block)), tm, 1, block)
         h = h + self.self_attn(u, ctx, ctx_pos, pos, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
