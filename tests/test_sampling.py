@@ -144,3 +144,39 @@ def test_rejection_needs_a_dflash_q(artifacts):
                        sampling=SamplingParams(temperature=1.0, mode="rejection"))
     with pytest.raises(ValueError, match="mode must be one of"):
         SamplingParams(mode="nope")
+
+
+def test_match_mode_with_penalties_bias_and_grammar(artifacts, v2_drafter):
+    """The chain's other samplers behave as in plain decoding: with penalties or a grammar the
+    speculative output equals llama_cpp.Llama's (up to certified near-ties), a -inf logit bias
+    bans its token, and the grammar holds."""
+    a = artifacts["llama"]
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= [a-z ]+ "." [ \\n]*')
+    llm = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    check = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False, logits_all=True)
+    pen = dict(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+    compared = 0
+    with SpeculativeGenerator(a["target"], v2_drafter, n_ctx=256) as g:
+        for p in PROMPTS[:6]:
+            toks = g.tokenize(p)
+            for seed in (1, 2):
+                for sp, kw in ((SamplingParams(temperature=1.5, seed=seed, **pen), dict(temp=1.5, **pen)),
+                               (SamplingParams(temperature=1.0, seed=seed, grammar=grammar),
+                                dict(temp=1.0, grammar=grammar))):
+                    ref = llama_generate(llm, toks, 14, seed, **kw)
+                    steps: list[dict] = []
+                    ours = g.generate(toks, 14, draft_len=7, stop_on_eos=False, sampling=sp, on_step=steps.append)
+                    assert ours.stats.drafted > 0
+                    if sp.grammar is not None:
+                        text = g.detokenize(ours.tokens)
+                        assert all(ch.islower() or ch in " .\n" for ch in text), text
+                    compared += 1
+                    if ours.tokens != ref:
+                        i = next(k for k, (x, y) in enumerate(zip(ref, ours.tokens, strict=True)) if x != y)
+                        ok, why = near_tie(check, toks, ref, ours.tokens, steps, i, sp, NEAR_TIE_REL)
+                        assert ok, why
+                # a banned token never appears, with or without drafts
+                banned = llama_generate(llm, toks, 1, seed, temp=1.5)[0]
+                sb = SamplingParams(temperature=1.5, seed=seed, logit_bias={banned: -1e9})
+                assert banned not in g.generate(toks, 16, draft_len=7, stop_on_eos=False, sampling=sb).tokens
+    assert compared == 24
