@@ -194,10 +194,14 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
 
     rp = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or {}
-    rtype = scaling.get("rope_type", scaling.get("type")) or rp.get("rope_type") or "default"
-    if rtype != "default":
-        fail("rope_scaling", f"rope type {rtype!r} is not supported (default rope only)")
+    scaling = cfg.get("rope_scaling") or rp
+    rtype = scaling.get("rope_type", scaling.get("type")) or "default"
+    if rtype not in ("default", "linear", "yarn"):
+        fail("rope_scaling", f"rope type {rtype!r} is not supported (default, linear, yarn)")
+    if rtype != "default" and not (isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 0):
+        fail("rope_scaling.factor", f"{rtype} rope scaling needs a positive factor")
+    if rtype == "yarn" and (scaling.get("mscale_all_dim") or scaling.get("attention_factor") not in (None, 1, 1.0)):
+        fail("rope_scaling", "YaRN with mscale_all_dim or attention_factor is not supported")
 
     causal = cfg.get("is_causal")
     if causal is None:
@@ -227,6 +231,12 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         context_length=int(cfg.get("max_position_embeddings", 32768)),
         rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [],
     )
+    if rtype != "default":
+        out.rope_scaling, out.rope_factor = rtype, float(scaling["factor"])
+        out.rope_orig_ctx = int(scaling.get("original_max_position_embeddings") or out.context_length)
+        out.yarn_beta_fast = float(scaling.get("beta_fast", 32.0))
+        out.yarn_beta_slow = float(scaling.get("beta_slow", 1.0))
+
     if version == 2:
         for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if not isinstance(dc.get(k), int) or dc[k] <= 0:

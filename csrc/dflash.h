@@ -55,6 +55,12 @@ struct dflash_drafter_info {
     int32_t n_swa;            /* sliding window (0 = none) */
     uint32_t swa_layers;      /* bit i set: layer i uses the window */
     float   rope_theta;
+    float   rope_freq_scale;  /* 1 / rope scaling factor (linear or YaRN) */
+    float   rope_ext_factor;  /* YaRN extrapolation mix (0 = none) */
+    float   rope_attn_factor;
+    float   rope_beta_fast;
+    float   rope_beta_slow;
+    int32_t rope_n_ctx_orig;  /* YaRN: the original context length */
     float   rms_eps;
     float   embedding_scale;
     float   logit_scale;

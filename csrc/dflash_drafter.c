@@ -285,6 +285,14 @@ static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * 
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+// NeoX RoPE over the full head, with the file's linear / YaRN scaling.
+static struct ggml_tensor * rope(struct ggml_context * ctx, const struct dflash_drafter_info * hp,
+                                 struct ggml_tensor * x, struct ggml_tensor * pos) {
+    return ggml_rope_ext(ctx, x, pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, hp->rope_n_ctx_orig, hp->rope_theta,
+                         hp->rope_freq_scale, hp->rope_ext_factor, hp->rope_attn_factor, hp->rope_beta_fast,
+                         hp->rope_beta_slow);
+}
+
 // Project x ([n_embd, n]) to K/V for layer il and store them in st's cache at
 // cells [off, off+n); the copies are added to the graph before their readers.
 static void store_kv(const struct dflash_drafter * d, struct dflash_state * st, struct ggml_context * ctx,
@@ -298,8 +306,7 @@ static void store_kv(const struct dflash_drafter * d, struct dflash_state * st, 
     struct ggml_tensor * k = ggml_mul_mat(ctx, L->wk, x);
     k = ggml_reshape_3d(ctx, k, hp->head_dim, hp->n_head_kv, n);
     k = rms(ctx, k, L->k_norm, hp->rms_eps);
-    k = ggml_rope_ext(ctx, k, pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, 0, hp->rope_theta,
-                      1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+    k = rope(ctx, hp, k, pos);
     struct ggml_tensor * v = ggml_mul_mat(ctx, L->wv, x); // [n_kv_embd, n]
 
     struct ggml_tensor * k_dst = ggml_view_2d(ctx, kc, n_kv_embd, n, kc->nb[1], (size_t) off * kc->nb[1]);
@@ -409,8 +416,7 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
         q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, N);
         q = rms(ctx, q, L->q_norm, hp->rms_eps);
-        q = ggml_rope_ext(ctx, q, G->block_pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, 0,
-                          hp->rope_theta, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        q = rope(ctx, hp, q, G->block_pos);
 
         struct ggml_tensor * o = NULL;
         for (int32_t s = 0; s < n_seq; s++) {
@@ -772,6 +778,42 @@ static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context *
     if (kv_u32(g, "dflash.rope.dimension_count", &rot) && rot != hp->head_dim) {
         dflash_seterr(err, err_len, "'%s': partial rotary embeddings (%d of %d dims) are not supported", path, rot, hp->head_dim);
         return false;
+    }
+    // RoPE scaling, read as llama.cpp reads it (keys of convert_hf_to_gguf): linear or YaRN.
+    hp->rope_freq_scale = 1.0f;
+    hp->rope_ext_factor = 0.0f;
+    hp->rope_attn_factor = 1.0f;
+    hp->rope_beta_fast = 32.0f;
+    hp->rope_beta_slow = 1.0f;
+    hp->rope_n_ctx_orig = 0;
+    kv_u32(g, "dflash.context_length", &hp->rope_n_ctx_orig);
+    int64_t st_id = kv_find(g, "dflash.rope.scaling.type");
+    const char * scaling = st_id >= 0 && gguf_get_kv_type(g, st_id) == GGUF_TYPE_STRING ? gguf_get_val_str(g, st_id) : "none";
+    if (strcmp(scaling, "none") != 0) {
+        float factor = 0.0f;
+        if (strcmp(scaling, "linear") != 0 && strcmp(scaling, "yarn") != 0) {
+            dflash_seterr(err, err_len, "'%s': rope scaling '%s' is not supported (linear, yarn)", path, scaling);
+            return false;
+        }
+        if (!kv_f32(g, "dflash.rope.scaling.factor", &factor) || !(factor > 0.0f)) {
+            dflash_seterr(err, err_len, "'%s': rope scaling '%s' without a valid dflash.rope.scaling.factor", path, scaling);
+            return false;
+        }
+        hp->rope_freq_scale = 1.0f / factor;
+        if (strcmp(scaling, "yarn") == 0) {
+            float log_mul = 0.0f;
+            if (kv_f32(g, "dflash.rope.scaling.yarn_log_multiplier", &log_mul) && log_mul != 0.0f) {
+                dflash_seterr(err, err_len, "'%s': YaRN with yarn_log_multiplier is not supported", path);
+                return false;
+            }
+            hp->rope_ext_factor = 1.0f;
+            kv_f32(g, "dflash.rope.scaling.yarn_ext_factor", &hp->rope_ext_factor);
+            kv_f32(g, "dflash.rope.scaling.attn_factor", &hp->rope_attn_factor);
+            kv_f32(g, "dflash.rope.scaling.yarn_attn_factor", &hp->rope_attn_factor);
+            kv_f32(g, "dflash.rope.scaling.yarn_beta_fast", &hp->rope_beta_fast);
+            kv_f32(g, "dflash.rope.scaling.yarn_beta_slow", &hp->rope_beta_slow);
+            kv_u32(g, "dflash.rope.scaling.original_context_length", &hp->rope_n_ctx_orig);
+        }
     }
     int32_t sections[8] = { 0 };
     int32_t n_sec = kv_arr_i32(g, "dflash.rope.dimension_sections", sections, 8);

@@ -45,6 +45,10 @@ VARIANTS = {
                                                  "output_multiplier": 0.5, "final_logit_softcapping": 4.0,
                                                  "input_embedding_scale": 1.5, "causal": True, "use_swa": True,
                                                  "swa_window_size": 12}), {}),
+    # YaRN rope scaling (Qwen3.6-style drafters), in rope_parameters
+    "v1_yarn": (base_config(dflash_config={"block_size": 16, "mask_token_id": 16, "target_layer_ids": [0, 2]},
+                            rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64}), {}),
     # sharded bf16 with an index file
     "v1_sharded_bf16": (base_config(block_size=16, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2]}),
                         {"shards": 3, "dtype": "BF16"}),

@@ -30,6 +30,7 @@ EXPECTED = {
     "v1_transforms": dict(block_size=16, target_layer_ids=[0, 4], logit_scale=0.5, softcap=4.0, embedding_scale=1.5,
                           causal=True, sliding_window=12, swa_layers=[True, True]),
     "v1_sharded_bf16": dict(block_size=16, target_layer_ids=[0, 2]),
+    "v1_yarn": dict(block_size=16, target_layer_ids=[0, 2], rope_scaling="yarn", rope_factor=4.0, rope_orig_ctx=64),
     "v2": dict(block_size=8, target_layer_ids=[0, 2, 4], conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                selector_top_k=4),
 }
@@ -141,7 +142,8 @@ def break_config(tmp_path, **changes):
     ({"dflash_config": {"mask_token_id": 5000, "target_layer_ids": [0, 2]}}, "mask_token_id: 5000 lies outside"),
     ({"dflash_config": {"mask_token_id": 16, "target_layer_ids": [0, 5]}}, "layer 5 is not below the target's last"),
     ({"dflash_config": {"block_size": 8, "mask_token_id": 16}}, "block_size: top level (16) and dflash_config (8)"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling: rope type 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling.factor: yarn rope scaling needs a positive factor"),
 ])
 def test_config_errors(artifacts, tmp_path, change, msg):
     d = break_config(tmp_path, **change)

@@ -78,6 +78,8 @@ def test_graph_matches_reference(artifacts, load_model, name):
     {"causal": True},
     {"sliding_window": 8, "swa_layers": [True, False]},
     {"logit_scale": 0.5, "softcap": 3.0, "embedding_scale": 1.7},
+    {"rope_scaling": "linear", "rope_factor": 2.0},
+    {"rope_scaling": "yarn", "rope_factor": 4.0, "rope_orig_ctx": 32},
 ])
 def test_graph_variants(artifacts, load_model, tmp_path, variant):
     a = artifacts["llama"]

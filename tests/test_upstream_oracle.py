@@ -43,3 +43,24 @@ def test_same_as_upstream_graph(artifacts, load_model, name):
     assert compared >= 30  # the comparison actually covered most slots
     up.close()
     ours.close()
+
+
+def test_yarn_same_as_upstream(artifacts, load_model, tmp_path):
+    """YaRN-scaled RoPE: upstream reads the same keys; both graphs agree."""
+    from models import drafter_config, write_random_drafter
+
+    a = artifacts["llama"]
+    cfg = drafter_config(a["spec"], rope_scaling="yarn", rope_factor=4.0, rope_orig_ctx=32)
+    path = write_random_drafter(str(tmp_path / "yarn.gguf"), a["target"], cfg, seed=12)
+    model = load_model(a["target"])
+    ours = Drafter(path, model, n_ctx=256, n_threads=2)
+    assert ours.info.rope_ext_factor == 1.0 and abs(ours.info.rope_freq_scale - 0.25) < 1e-7
+    up = UpstreamDrafter(path, model, n_ctx=256)
+    feats = np.random.default_rng(13).standard_normal((120, 192)).astype(np.float32)
+    ours.push(feats)
+    up.push(feats)
+    _, logits = ours.draft(77, 7, return_logits=True)
+    exp = up.draft(77, MASK_ID, 7)
+    assert np.abs(logits - exp).max() < TOL[0] + TOL[1] * np.abs(exp).max()
+    up.close()
+    ours.close()

@@ -39,6 +39,8 @@ class DrafterInfo:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    rope_freq_scale: float = 1.0
+    rope_ext_factor: float = 0.0
 
 
 def check_file(path: str | os.PathLike, what: str) -> bytes:
@@ -74,7 +76,7 @@ class Drafter:
             sliding_window=i.n_swa, rope_theta=i.rope_theta, rms_eps=i.rms_eps,
             embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
             conv_kernel_size=i.conv_kernel_size, conv_group_size=i.conv_group_size, selector_rank=i.selector_rank,
-            selector_top_k=i.selector_top_k,
+            selector_top_k=i.selector_top_k, rope_freq_scale=i.rope_freq_scale, rope_ext_factor=i.rope_ext_factor,
         )
 
     def memory(self) -> dict:

@@ -64,6 +64,13 @@ class DrafterConfig:
     selector_top_k: int = 0
     # drafts for M-RoPE targets carry degenerate sections [head_dim/2, 0, 0, 0]
     rope_sections: list[int] = field(default_factory=list)
+    # RoPE scaling ("" = none): linear or YaRN, keys as llama.cpp's converter writes them
+    rope_scaling: str = ""
+    rope_factor: float = 1.0
+    rope_orig_ctx: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attn_factor: float = 1.0
     n_vocab: int = 0  # only needed by the PyTorch reference of the DFlash2 selector
 
     @property
@@ -181,6 +188,15 @@ def write_drafter(
     w.add_rope_freq_base(cfg.rope_theta)
     if cfg.rope_sections:
         w.add_array(f"{ARCH}.rope.dimension_sections", [int(x) for x in cfg.rope_sections])
+    if cfg.rope_scaling:
+        w.add_string(f"{ARCH}.rope.scaling.type", cfg.rope_scaling)
+        w.add_float32(f"{ARCH}.rope.scaling.factor", cfg.rope_factor)
+        if cfg.rope_scaling == "yarn":
+            w.add_uint32(f"{ARCH}.rope.scaling.original_context_length", cfg.rope_orig_ctx)
+            w.add_float32(f"{ARCH}.rope.scaling.yarn_beta_fast", cfg.yarn_beta_fast)
+            w.add_float32(f"{ARCH}.rope.scaling.yarn_beta_slow", cfg.yarn_beta_slow)
+            if cfg.yarn_attn_factor != 1.0:
+                w.add_float32(f"{ARCH}.rope.scaling.attn_factor", cfg.yarn_attn_factor)
     w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
     w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
     if cfg.is_v2:
@@ -274,6 +290,12 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
         selector_rank=int(get(f"{ARCH}.selector_rank", 0)),
         selector_top_k=int(get(f"{ARCH}.selector_top_k", 0)),
         rope_sections=[int(x) for x in get(f"{ARCH}.rope.dimension_sections", [])],
+        rope_scaling="" if get(f"{ARCH}.rope.scaling.type", "none") == "none" else get(f"{ARCH}.rope.scaling.type"),
+        rope_factor=float(get(f"{ARCH}.rope.scaling.factor", 1.0)),
+        rope_orig_ctx=int(get(f"{ARCH}.rope.scaling.original_context_length", 0)),
+        yarn_beta_fast=float(get(f"{ARCH}.rope.scaling.yarn_beta_fast", 32.0)),
+        yarn_beta_slow=float(get(f"{ARCH}.rope.scaling.yarn_beta_slow", 1.0)),
+        yarn_attn_factor=float(get(f"{ARCH}.rope.scaling.attn_factor", 1.0)),
     )
 
 

@@ -6,6 +6,7 @@ HF / z-lab parameter names; ``from_gguf`` maps a GGUF drafter onto them.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -25,13 +26,33 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_neox(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE over the full head dim. x: [T, heads, d], pos: [T]."""
+def rope_neox(x: torch.Tensor, pos: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+    """Rotate-half RoPE over the full head dim, with linear or YaRN scaling. x: [T, heads, d], pos: [T].
+
+    YaRN (as llama.cpp applies it): per frequency, a ramp between the interpolated angle
+    (pos * freq / factor) and the original one over the band set by beta_fast / beta_slow and
+    the original context length, and a magnitude factor 1 + 0.1 ln(factor).
+    """
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)[:, None, :]
+    mscale = 1.0
+    if cfg.rope_scaling in ("linear", "yarn"):
+        interp = ang / cfg.rope_factor
+        if cfg.rope_scaling == "yarn":
+            def corr_dim(n_rot: float) -> float:
+                return d * math.log(cfg.rope_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+            lo = max(0.0, math.floor(corr_dim(cfg.yarn_beta_fast)))
+            hi = min(d - 1.0, math.ceil(corr_dim(cfg.yarn_beta_slow)))
+            i = torch.arange(d // 2, dtype=torch.float64)
+            ramp = 1.0 - torch.clamp((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
+            ang = interp * (1 - ramp) + ang * ramp
+            mscale = cfg.yarn_attn_factor * (1.0 + 0.1 * math.log(cfg.rope_factor))
+        else:
+            ang = interp
+    cos = (torch.cat([ang.cos(), ang.cos()], -1) * mscale).to(x.dtype)[:, None, :]
+    sin = (torch.cat([ang.sin(), ang.sin()], -1) * mscale).to(x.dtype)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -51,12 +72,12 @@ class Attention(nn.Module):
     def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         k = self.k_norm(self.k_proj(x).view(-1, c.n_head_kv, c.head_dim))
-        return rope_neox(k, pos, c.rope_theta), self.v_proj(x).view(-1, c.n_head_kv, c.head_dim)
+        return rope_neox(k, pos, c), self.v_proj(x).view(-1, c.n_head_kv, c.head_dim)
 
     def forward(self, u: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor, pos: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         c = self.cfg
-        q = rope_neox(self.q_norm(self.q_proj(u).view(-1, c.n_head, c.head_dim)), pos, c.rope_theta)
+        q = rope_neox(self.q_norm(self.q_proj(u).view(-1, c.n_head, c.head_dim)), pos, c)
         kc, vc = self.kv(ctx, ctx_pos)
         kb, vb = self.kv(u, pos)
         k = torch.cat([kc, kb], 0).repeat_interleave(c.n_head // c.n_head_kv, dim=1)
