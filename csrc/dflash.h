@@ -251,7 +251,19 @@ void dflash_engine_set_step_fn(dflash_engine * e, dflash_step_fn fn, void * user
 int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_t n, float * out,
                                char * err, size_t err_len);
 
-/* Generate greedily.  out_tokens must hold max_tokens ids; out_margins
+/* Step by step (streaming): start prefills the prompt and returns the first token
+ * (its margin in *out_margin, optional); each step then verifies one draft and
+ * writes the tokens it commits (at most n_draft + 1) to out_tokens, returning
+ * their count, 0 once EOS or max_tokens is reached, -1 on error.  The sampler
+ * in params must outlive the generation.  Stopping early is always allowed. */
+int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
+                            const struct dflash_engine_params * params, float * out_margin,
+                            char * err, size_t err_len);
+int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins,
+                           char * err, size_t err_len);
+void    dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out);
+
+/* The whole generation (start + steps).  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus
  * top-2 logit at the row that produced it.  Returns tokens generated or < 0. */
 int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,

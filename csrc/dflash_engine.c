@@ -34,6 +34,14 @@ struct dflash_engine {
     float * p;                 // target distribution of one row, dense [n_vocab]
     llama_token_data * cur;    // candidates handed to the sampler transforms
     struct dflash_rng rng;
+    // the generation in progress (dflash_engine_start .. dflash_engine_step)
+    struct dflash_engine_params prm;
+    struct dflash_stats stats;
+    bool active, eos;
+    int32_t n_hist, n_gen, n_past;  // committed tokens, generated tokens, target KV length
+    double t_start;
+    int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
+    float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
 };
 
 dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
@@ -245,12 +253,14 @@ static int32_t target_len(const struct dflash_engine * e) {
     return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
 }
 
-int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
-                               const struct dflash_engine_params * params, int32_t * out_tokens,
-                               float * out_margins, struct dflash_stats * st, char * err, size_t err_len) {
+int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
+                            const struct dflash_engine_params * params, float * out_margin, char * err,
+                            size_t err_len) {
+    struct dflash_stats * st = &e->stats;
     memset(st, 0, sizeof(*st));
+    e->active = false;
     const int32_t max_tokens = params->max_tokens;
-    int32_t n_draft = params->n_draft;
+    const int32_t n_draft = params->n_draft;
     if (n_prompt < 1) {
         dflash_seterr(err, err_len, "the prompt is empty");
         return -1;
@@ -313,7 +323,8 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
         e->history_cap = need;
     }
     memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
-    int32_t n_hist = n_prompt;
+    e->prm = *params;
+    e->n_hist = n_prompt;
 
     llama_memory_clear(llama_get_memory(e->ctx), true);
     if (e->drafter) dflash_drafter_reset(e->drafter);
@@ -330,141 +341,174 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
     dflash_rng_seed(&e->rng, params->seed);
     st->mode = params->mode;
     float margin = 0.0f;
-    int32_t tok = pick_token(e, params, -1, &margin);
-    const double t1 = dflash_now();
-    st->t_prefill_s = t1 - t0;
+    const int32_t tok = pick_token(e, params, -1, &margin);
+    e->t_start = dflash_now();
+    st->t_prefill_s = e->t_start - t0;
+    if (out_margin) *out_margin = margin;
 
-    int32_t n_gen = 0;
-    out_tokens[n_gen] = tok;
-    if (out_margins) out_margins[n_gen] = margin;
-    n_gen++;
-    e->history[n_hist++] = tok;
-    int32_t n_past = n_prompt; // target KV length == position of the anchor
-    bool eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
+    e->n_gen = 1;
+    e->history[e->n_hist++] = tok;
+    e->n_past = n_prompt; // target KV length == position of the anchor
+    e->eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
+    e->active = true;
+    st->n_generated = 1;
+    st->stop_reason = e->eos ? 1 : (max_tokens == 1 ? 2 : 0);
+    return tok;
+}
 
+int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins, char * err, size_t err_len) {
+    if (!e->active || e->eos || e->n_gen >= e->prm.max_tokens) {
+        e->active = false;
+        return 0;
+    }
+    const struct dflash_engine_params * params = &e->prm;
+    struct dflash_stats * st = &e->stats;
+    const bool rejection = params->mode == DFLASH_VERIFY_REJECTION;
     int32_t drafts[DFLASH_MAX_DRAFT + 1];
     int32_t verify[DFLASH_MAX_DRAFT + 1];
-    const bool rejection = params->mode == DFLASH_VERIFY_REJECTION;
-    // rejection: the drafter's proposal, n x k candidates with their q
-    int32_t q_cand[DFLASH_MAX_DRAFT * 64];
-    float q_prob[DFLASH_MAX_DRAFT * 64];
     int32_t q_k = 0;
-    while (!eos && n_gen < max_tokens) {
-        // Never draft past the token budget or the context.
-        int32_t n = n_draft;
-        if (n > max_tokens - n_gen - 1) n = max_tokens - n_gen - 1;
-        if (n > e->n_ctx - n_past - 1) n = e->n_ctx - n_past - 1;
-        if (n < 0) n = 0;
-        const int32_t anchor = e->history[n_hist - 1];
+    float margin = 0.0f;
+    int32_t tok = 0;
 
-        const double ta = dflash_now();
-        int32_t n_drafted = 0;
-        if (n > 0) {
-            if (e->draft_fn) {
-                n_drafted = e->draft_fn(e->draft_ud, e->history, n_hist, n, drafts);
-                if (n_drafted < 0 || n_drafted > n) {
-                    dflash_seterr(err, err_len, "draft source returned %d tokens (asked for at most %d)", n_drafted, n);
+    // Never draft past the token budget or the context.
+    int32_t n = params->n_draft;
+    if (n > params->max_tokens - e->n_gen - 1) n = params->max_tokens - e->n_gen - 1;
+    if (n > e->n_ctx - e->n_past - 1) n = e->n_ctx - e->n_past - 1;
+    if (n < 0) n = 0;
+    const int32_t anchor = e->history[e->n_hist - 1];
+
+    const double ta = dflash_now();
+    int32_t n_drafted = 0;
+    if (n > 0) {
+        if (e->draft_fn) {
+            n_drafted = e->draft_fn(e->draft_ud, e->history, e->n_hist, n, drafts);
+            if (n_drafted < 0 || n_drafted > n) {
+                dflash_seterr(err, err_len, "draft source returned %d tokens (asked for at most %d)", n_drafted, n);
+                return -1;
+            }
+            for (int32_t i = 0; i < n_drafted; i++) {
+                if (drafts[i] < 0 || drafts[i] >= e->n_vocab) {
+                    dflash_seterr(err, err_len, "draft source returned token %d outside the vocabulary", drafts[i]);
                     return -1;
                 }
-                for (int32_t i = 0; i < n_drafted; i++) {
-                    if (drafts[i] < 0 || drafts[i] >= e->n_vocab) {
-                        dflash_seterr(err, err_len, "draft source returned token %d outside the vocabulary", drafts[i]);
-                        return -1;
-                    }
-                }
-            } else if (e->drafter && rejection) {
-                if (dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, drafts, q_cand,
-                                                q_prob, &q_k, err, err_len) != 0) return -1;
-                n_drafted = n;
-            } else if (e->drafter) {
-                n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, drafts, NULL, err, err_len);
-                if (n_drafted < 0) return -1;
             }
-        }
-        const double tb = dflash_now();
-
-        verify[0] = anchor;
-        memcpy(verify + 1, drafts, sizeof(int32_t) * n_drafted);
-        const float * feats = NULL;
-        if (decode(e, verify, n_drafted + 1, n_past, 0, &feats, err, err_len) != 0) return -1;
-
-        int32_t n_acc = 0;
-        for (int32_t i = 0; i <= n_drafted; i++) {
-            bool keep_going;
-            if (rejection && i < n_drafted) {
-                // Speculative sampling: keep d_i with probability min(1, p(d_i) / q(d_i)); at the
-                // first rejection draw from the residual max(0, p - q) (or p when it is empty).
-                target_probs(e, i, params->sampler);
-                const int32_t * c = q_cand + (size_t) i * q_k;
-                const float * q = q_prob + (size_t) i * q_k;
-                float qd = 0.0f;
-                for (int32_t j = 0; j < q_k; j++) qd += c[j] == drafts[i] ? q[j] : 0.0f;
-                if (dflash_rng_uniform(&e->rng) * qd < e->p[drafts[i]]) {
-                    tok = drafts[i];
-                    keep_going = true;
-                } else {
-                    for (int32_t j = 0; j < q_k; j++) {
-                        const float r = e->p[c[j]] - q[j];
-                        e->p[c[j]] = r > 0.0f ? r : 0.0f;
-                    }
-                    double total = 0.0;
-                    for (int32_t v = 0; v < e->n_vocab; v++) total += e->p[v];
-                    if (total <= 0.0) {
-                        target_probs(e, i, params->sampler);
-                        total = 1.0;
-                    }
-                    tok = sample_dense(e->p, e->n_vocab, total, &e->rng);
-                    keep_going = false;
-                }
-                if (params->sampler) llama_sampler_accept(params->sampler, tok);
-                margin = NAN;
-            } else {
-                // Greedy / match: the target's own token for row i (the bonus after the last draft);
-                // drafts are kept while they equal it.
-                tok = pick_token(e, params, i, &margin);
-                keep_going = i < n_drafted && drafts[i] == tok;
-            }
-            out_tokens[n_gen] = tok;
-            if (out_margins) out_margins[n_gen] = margin;
-            n_gen++;
-            e->history[n_hist++] = tok;
-            if (params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok)) {
-                eos = true;
-                break;
-            }
-            if (!keep_going) break;
-            n_acc++;
-        }
-        const double tc = dflash_now();
-
-        // Roll back the rejected rows; the drafter gets the kept rows' features.
-        const int32_t n_keep = n_acc + 1;
-        if (n_keep < n_drafted + 1 &&
-            !llama_memory_seq_rm(llama_get_memory(e->ctx), 0, n_past + n_keep, -1)) {
-            dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
-            return -1;
-        }
-        if (e->drafter && dflash_drafter_push(e->drafter, feats, n_keep, err, err_len) != 0) return -1;
-        n_past += n_keep;
-
-        st->steps++;
-        st->drafted += n_drafted;
-        st->accepted += n_acc;
-        for (int32_t i = 0; i < n_drafted; i++) {
-            st->per_position_drafted[i]++;
-            if (i < n_acc) st->per_position_accepted[i]++;
-        }
-        st->t_draft_s += tb - ta;
-        st->t_verify_s += tc - tb;
-
-        if (e->step_fn) {
-            struct dflash_step s = { st->steps, n_drafted, n_acc, n_hist, target_len(e),
-                                     e->drafter ? dflash_drafter_n_ctx_used(e->drafter) : n_past };
-            e->step_fn(e->step_ud, &s);
+        } else if (e->drafter && rejection) {
+            if (dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, drafts, e->q_cand,
+                                            e->q_prob, &q_k, err, err_len) != 0) return -1;
+            n_drafted = n;
+        } else if (e->drafter) {
+            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, drafts, NULL, err, err_len);
+            if (n_drafted < 0) return -1;
         }
     }
-    st->t_total_s = dflash_now() - t1;
-    st->n_generated = n_gen;
-    st->stop_reason = eos ? 1 : 2;
+    const double tb = dflash_now();
+
+    verify[0] = anchor;
+    memcpy(verify + 1, drafts, sizeof(int32_t) * n_drafted);
+    const float * feats = NULL;
+    if (decode(e, verify, n_drafted + 1, e->n_past, 0, &feats, err, err_len) != 0) return -1;
+
+    int32_t n_acc = 0, n_out = 0;
+    for (int32_t i = 0; i <= n_drafted; i++) {
+        bool keep_going;
+        if (rejection && i < n_drafted) {
+            // Speculative sampling: keep d_i with probability min(1, p(d_i) / q(d_i)); at the
+            // first rejection draw from the residual max(0, p - q) (or p when it is empty).
+            target_probs(e, i, params->sampler);
+            const int32_t * c = e->q_cand + (size_t) i * q_k;
+            const float * q = e->q_prob + (size_t) i * q_k;
+            float qd = 0.0f;
+            for (int32_t j = 0; j < q_k; j++) qd += c[j] == drafts[i] ? q[j] : 0.0f;
+            if (dflash_rng_uniform(&e->rng) * qd < e->p[drafts[i]]) {
+                tok = drafts[i];
+                keep_going = true;
+            } else {
+                for (int32_t j = 0; j < q_k; j++) {
+                    const float r = e->p[c[j]] - q[j];
+                    e->p[c[j]] = r > 0.0f ? r : 0.0f;
+                }
+                double total = 0.0;
+                for (int32_t v = 0; v < e->n_vocab; v++) total += e->p[v];
+                if (total <= 0.0) {
+                    target_probs(e, i, params->sampler);
+                    total = 1.0;
+                }
+                tok = sample_dense(e->p, e->n_vocab, total, &e->rng);
+                keep_going = false;
+            }
+            if (params->sampler) llama_sampler_accept(params->sampler, tok);
+            margin = NAN;
+        } else {
+            // Greedy / match: the target's own token for row i (the bonus after the last draft);
+            // drafts are kept while they equal it.
+            tok = pick_token(e, params, i, &margin);
+            keep_going = i < n_drafted && drafts[i] == tok;
+        }
+        out_tokens[n_out] = tok;
+        if (out_margins) out_margins[n_out] = margin;
+        n_out++;
+        e->history[e->n_hist++] = tok;
+        if (params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok)) {
+            e->eos = true;
+            break;
+        }
+        if (!keep_going) break;
+        n_acc++;
+    }
+    const double tc = dflash_now();
+
+    // Roll back the rejected rows; the drafter gets the kept rows' features.
+    const int32_t n_keep = n_acc + 1;
+    if (n_keep < n_drafted + 1 && !llama_memory_seq_rm(llama_get_memory(e->ctx), 0, e->n_past + n_keep, -1)) {
+        dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+        return -1;
+    }
+    if (e->drafter && dflash_drafter_push(e->drafter, feats, n_keep, err, err_len) != 0) return -1;
+    e->n_past += n_keep;
+    e->n_gen += n_out;
+
+    st->steps++;
+    st->drafted += n_drafted;
+    st->accepted += n_acc;
+    for (int32_t i = 0; i < n_drafted; i++) {
+        st->per_position_drafted[i]++;
+        if (i < n_acc) st->per_position_accepted[i]++;
+    }
+    st->t_draft_s += tb - ta;
+    st->t_verify_s += tc - tb;
+    st->t_total_s = dflash_now() - e->t_start;
+    st->n_generated = e->n_gen;
+    st->stop_reason = e->eos ? 1 : (e->n_gen >= params->max_tokens ? 2 : 0);
+
+    if (e->step_fn) {
+        struct dflash_step s = { st->steps, n_drafted, n_acc, e->n_hist, target_len(e),
+                                 e->drafter ? dflash_drafter_n_ctx_used(e->drafter) : e->n_past };
+        e->step_fn(e->step_ud, &s);
+    }
+    return n_out;
+}
+
+void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out) {
+    *out = e->stats;
+}
+
+int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
+                               const struct dflash_engine_params * params, int32_t * out_tokens,
+                               float * out_margins, struct dflash_stats * st, char * err, size_t err_len) {
+    const int32_t first = dflash_engine_start(e, prompt, n_prompt, params, out_margins, err, err_len);
+    if (first < 0) {
+        *st = e->stats;
+        return -1;
+    }
+    out_tokens[0] = first;
+    int32_t n_gen = 1;
+    for (;;) {
+        const int32_t n = dflash_engine_step(e, out_tokens + n_gen, out_margins ? out_margins + n_gen : NULL, err,
+                                             err_len);
+        if (n < 0) return -1;
+        if (n == 0) break;
+        n_gen += n;
+    }
+    *st = e->stats;
     return n_gen;
 }

@@ -157,3 +157,21 @@ def test_p_min_keeps_output_and_shortens_drafts(artifacts):
         cut = g.generate(toks, 40, draft_len=7, stop_on_eos=False, p_min=0.5)
         assert cut.tokens == plain.tokens == full.tokens
         assert cut.stats.drafted < full.stats.drafted
+
+
+def test_stream_yields_each_step_and_stops_early(artifacts):
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256) as g:
+        toks = g.tokenize(PROMPTS[2])
+        full = g.generate(toks, 30, draft_len=5, stop_on_eos=False)
+        oracle = ReplayDraftSource.cycling(toks + full.tokens, g.n_vocab)
+        chunks = list(g.stream(toks, 30, draft_len=5, stop_on_eos=False, draft_source=oracle))
+        assert [t for c in chunks for t in c] == full.tokens
+        assert len(chunks[0]) == 1 and all(1 <= len(c) <= 6 for c in chunks[1:])
+        assert any(len(c) > 1 for c in chunks)  # accepted drafts arrive together
+        assert g.last_stats.n_generated == 30 and g.last_stats.stop_reason == "max_tokens"
+        it = g.stream(toks, 30, draft_len=5, stop_on_eos=False)
+        got = next(it) + next(it)
+        it.close()  # a consumer that stops early (a stop string, a disconnect)
+        assert g.last_stats.stop_reason == "stopped" and got == full.tokens[:len(got)]
+        assert g.generate(toks, 30, draft_len=5, stop_on_eos=False).tokens == full.tokens

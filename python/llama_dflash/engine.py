@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
@@ -34,6 +35,28 @@ class GenerationResult:
     """Per generated token: target top-1 minus top-2 logit at the row that produced it."""
 
 
+@dataclass
+class _Request:
+    tokens: list[int]
+    draft_len: int
+    drafter_kind: str
+    params: object = None
+    prompt_c: object = None
+    errors: list = field(default_factory=list)
+
+    def check(self, rc: int, err) -> None:
+        """Raise what went wrong: a Python callback's exception first, else the core's message."""
+        if self.errors:
+            raise self.errors[0]
+        if rc < 0:
+            raise DFlashError(_native.err_str(err))
+
+    def stats(self, st) -> SpecStats:
+        s = SpecStats.from_c(st, self.draft_len, self.drafter_kind)
+        s.mode = {0: "greedy", 1: "match", 2: "rejection"}[st.mode]
+        return s
+
+
 class SpeculativeGenerator:
     """A target model (GGUF) with an optional DFlash drafter (GGUF).
 
@@ -60,6 +83,7 @@ class SpeculativeGenerator:
         verbose: bool | None = False,
     ) -> None:
         self._model = self._ctx = self._drafter = self._capture = self._engine = None
+        self.last_stats: SpecStats | None = None
         if capture not in _CAPTURE_MODES:
             raise ValueError(f"capture must be one of {sorted(_CAPTURE_MODES)}, got {capture!r}")
         if n_ctx < 1 or n_batch < 1:
@@ -190,6 +214,56 @@ class SpeculativeGenerator:
         replaces the DFlash drafter with a Python callable.  on_step receives
         each step's cache state.
         """
+        with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling,
+                           p_min) as rq:
+            out = ffi.new("int32_t[]", max_tokens)
+            margins = ffi.new("float[]", max_tokens) if return_margins else ffi.NULL
+            st = ffi.new("struct dflash_stats *")
+            err = _native.err_buf()
+            n = lib.dflash_engine_generate(self._engine, rq.prompt_c, len(rq.tokens), rq.params, out, margins, st,
+                                           err, _native.ERR_LEN)
+            rq.check(n, err)
+            toks = list(out[0:n])
+            stats = rq.stats(st)
+        return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats,
+                                margins=list(margins[0:n]) if return_margins else None)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        *,
+        draft_len: int | None = None,
+        draft_source: DraftSource | None = None,
+        stop_on_eos: bool = True,
+        sampling: SamplingParams | None = None,
+        p_min: float = 0.0,
+    ) -> Iterator[list[int]]:
+        """Like generate, but yields the tokens of every step as it commits them (the first
+        list holds the prefill's token).  Closing the iterator early stops the generation;
+        ``last_stats`` then describes what ran."""
+        with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min) as rq:
+            err = _native.err_buf()
+            try:
+                first = lib.dflash_engine_start(self._engine, rq.prompt_c, len(rq.tokens), rq.params, ffi.NULL, err,
+                                                _native.ERR_LEN)
+                rq.check(first, err)
+                yield [first]
+                buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
+                while True:
+                    n = lib.dflash_engine_step(self._engine, buf, ffi.NULL, err, _native.ERR_LEN)
+                    rq.check(n, err)
+                    if n == 0:
+                        break
+                    yield list(buf[0:n])
+            finally:
+                st = ffi.new("struct dflash_stats *")
+                lib.dflash_engine_get_stats(self._engine, st)
+                self.last_stats = rq.stats(st)
+
+    @contextlib.contextmanager
+    def _request(self, prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min):
+        """Validate a request and set up its C-side pieces (callbacks, sampler chain); tear them down after."""
         if self._engine is None:
             raise DFlashError("generator is closed")
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -201,8 +275,8 @@ class SpeculativeGenerator:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
-
-        errors: list[BaseException] = []
+        rq = _Request(tokens, draft_len, "external" if draft_source else (
+            "dflash" if self._drafter and draft_len > 0 else "none"))
         draft_cb = step_cb = ffi.NULL
         if draft_source is not None:
             def _draft(_ud, hist, n_hist, n, out):
@@ -214,7 +288,7 @@ class SpeculativeGenerator:
                         out[i] = int(t)
                     return len(prop)
                 except BaseException as ex:  # re-raised after the C loop returns
-                    errors.append(ex)
+                    rq.errors.append(ex)
                     return -1
             draft_cb = ffi.callback("dflash_draft_fn", _draft)
         if on_step is not None:
@@ -224,10 +298,8 @@ class SpeculativeGenerator:
                              "committed": s.committed, "target_len": s.target_len,
                              "drafter_len": s.drafter_len})
                 except BaseException as ex:
-                    errors.append(ex)
+                    rq.errors.append(ex)
             step_cb = ffi.callback("dflash_step_fn", _step)
-        lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
-        lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
 
         sp = sampling or SamplingParams()
         chain = None
@@ -240,33 +312,20 @@ class SpeculativeGenerator:
             mode = lib.DFLASH_VERIFY_REJECTION
             chain = build_chain(sp, self._model, self._vocab, self.n_vocab, with_dist=False)
         seed = sp.seed if sp.seed != 0xFFFFFFFF else int.from_bytes(os.urandom(8), "little")
-        params = ffi.new("struct dflash_engine_params *",
-                         {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
-                          "mode": mode, "temperature": sp.temperature, "seed": seed, "p_min": p_min,
-                          "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
-        prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
-        out = ffi.new("int32_t[]", max_tokens)
-        margins = ffi.new("float[]", max_tokens) if return_margins else ffi.NULL
-        st = ffi.new("struct dflash_stats *")
-        err = _native.err_buf()
+        rq.params = ffi.new("struct dflash_engine_params *",
+                            {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
+                             "mode": mode, "temperature": sp.temperature, "seed": seed, "p_min": p_min,
+                             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
+        rq.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
+        lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
+        lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
         try:
-            n = lib.dflash_engine_generate(self._engine, prompt_c, len(tokens), params, out, margins, st, err,
-                                           _native.ERR_LEN)
+            yield rq
         finally:
             lib.dflash_engine_set_draft_fn(self._engine, ffi.NULL, ffi.NULL)
             lib.dflash_engine_set_step_fn(self._engine, ffi.NULL, ffi.NULL)
             if chain is not None:
                 chain.close()
-        if errors:
-            raise errors[0]
-        if n < 0:
-            raise DFlashError(_native.err_str(err))
-        toks = list(out[0:n])
-        kind = "external" if draft_source else ("dflash" if self._drafter and draft_len > 0 else "none")
-        stats = SpecStats.from_c(st, draft_len, kind)
-        stats.mode = {0: "greedy", 1: "match", 2: "rejection"}[st.mode]
-        return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats,
-                                margins=list(margins[0:n]) if return_margins else None)
 
     def features(self, tokens: Sequence[int]) -> np.ndarray:
         """Target features of `tokens` (decoded from position 0): [n, n_taps * n_embd] float32."""

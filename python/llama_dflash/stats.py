@@ -68,7 +68,7 @@ class SpecStats:
             t_draft_s=st.t_draft_s,
             t_verify_s=st.t_verify_s,
             t_total_s=st.t_total_s,
-            stop_reason={1: "eos", 2: "max_tokens"}.get(st.stop_reason, "unknown"),
+            stop_reason={1: "eos", 2: "max_tokens"}.get(st.stop_reason, "stopped"),
             draft_len=draft_len,
             drafter=drafter,
         )
