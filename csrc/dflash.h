@@ -223,6 +223,9 @@ struct dflash_engine_params {
      * p is the softmax of what survives.  Committed tokens are accepted into it. */
     struct llama_sampler * sampler;
     float    p_min;        /* GREEDY / MATCH: confidence cut-off of the draft (0 = off) */
+    int32_t  draft_budget; /* no drafts past this many generated tokens (0 = max_tokens): a caller
+                              that usually stops there (a completion's max_tokens) but may read
+                              on wastes no verification */
     float    temperature;  /* REJECTION: temperature of the drafter's q */
     uint64_t seed;         /* REJECTION: seed of the accept / resample draws */
 };

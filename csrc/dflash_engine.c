@@ -371,8 +371,10 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     int32_t tok = 0;
 
     // Never draft past the token budget or the context.
+    const int32_t budget = params->draft_budget > 0 && params->draft_budget < params->max_tokens
+                               ? params->draft_budget : params->max_tokens;
     int32_t n = params->n_draft;
-    if (n > params->max_tokens - e->n_gen - 1) n = params->max_tokens - e->n_gen - 1;
+    if (n > budget - e->n_gen - 1) n = budget - e->n_gen - 1;
     if (n > e->n_ctx - e->n_past - 1) n = e->n_ctx - e->n_past - 1;
     if (n < 0) n = 0;
     const int32_t anchor = e->history[e->n_hist - 1];

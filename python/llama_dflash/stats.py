@@ -30,7 +30,8 @@ class SpecStats:
     stop_reason: str = ""
     draft_len: int = 0
     drafter: str = "none"
-    mode: str = "greedy"  # greedy | match | rejection
+    mode: str = "greedy"  # greedy | match | rejection (| plain: a drop-in Llama's fallback)
+    fallback_reason: str = ""
 
     @property
     def tau(self) -> float:

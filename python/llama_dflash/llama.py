@@ -1,0 +1,218 @@
+"""`llama_dflash.Llama`: llama_cpp.Llama with DFlash speculative decoding underneath.
+
+Everything above token generation -- completions, chat formats, streaming, stop strings,
+grammars, seeds -- is llama-cpp-python's own code; only ``generate`` (the token source those
+methods iterate) is replaced by the speculative loop, which yields exactly the tokens plain
+decoding would (greedy) or draws them with the same sampler chain and seed (match
+verification).  Requests the loop cannot serve exactly fall back to plain decoding, and
+the reason is recorded in ``last_speculative_stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from . import _native
+from ._native import ffi, lib
+from .drafter import DFlashError, Drafter
+from .sampling import SamplingParams, build_chain
+from .stats import SpecStats
+
+_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation"}
+
+
+@dataclass
+class SpeculativeTotals:
+    """Cumulative counters over every speculative generation of one Llama."""
+
+    generations: int = 0
+    fallbacks: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+class Llama(llama_cpp.Llama):
+    """Drop-in llama_cpp.Llama with a DFlash / DFlash2 drafter.
+
+    draft_model_path: the drafter GGUF (None: plain llama_cpp.Llama behaviour).
+    draft_n_max: tokens drafted per step (default and maximum: the drafter's block - 1).
+    draft_p_min: cut drafts at the first slot less confident than this.
+    verify: "match" (seeded output identical to plain decoding) or "rejection"
+    (speculative sampling with the drafter's q: same distribution, other random stream).
+    speculation: "on" or "off".
+    """
+
+    def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
+                 draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on", **kwargs) -> None:
+        unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif"))]
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
+        if verify not in ("match", "rejection"):
+            raise ValueError(f"verify must be 'match' or 'rejection', got {verify!r}")
+        if speculation not in ("on", "off"):
+            raise ValueError(f"speculation must be 'on' or 'off', got {speculation!r}")
+        super().__init__(model_path, *args, **kwargs)
+        self.verify = verify
+        self.speculation = speculation
+        self.draft_p_min = draft_p_min
+        self.last_speculative_stats: SpecStats | None = None
+        self.speculative_stats_total = SpeculativeTotals()
+        self._drafter = self._capture = self._engine = None
+        self._dflash_budget = -1
+        self._unavailable: str | None = None
+        if draft_model_path is None:
+            return
+        err = _native.err_buf()
+        self._drafter = Drafter(draft_model_path, self._model.model, n_ctx=self.n_ctx(), n_threads=self.n_threads)
+        info = self._drafter.info
+        self.draft_n_max = info.block_size - 1 if draft_n_max is None else max(0, min(draft_n_max, info.block_size - 1))
+        taps = ffi.new("int32_t[]", list(info.target_layers))
+        model_c = _native.ptr("struct llama_model *", self._model.model)
+        if not lib.dflash_target_has_layer_inp(model_c):
+            # cb_eval capture must be in the context params: this Llama's context cannot get it.
+            self._unavailable = "target architecture has no layer-input capture in a Llama context"
+            return
+        cap = lib.dflash_capture_new(model_c, taps, len(info.target_layers), self.n_batch, lib.DFLASH_CAPTURE_LAYER_INP,
+                                     err, _native.ERR_LEN)
+        if cap == ffi.NULL:
+            raise DFlashError(_native.err_str(err))
+        self._capture = ffi.gc(cap, lib.dflash_capture_free)
+        ctx_c = _native.ptr("struct llama_context *", self._ctx.ctx)
+        if lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
+            raise DFlashError(_native.err_str(err))
+        eng = lib.dflash_engine_new(ctx_c, self._drafter.handle, self._capture, err, _native.ERR_LEN)
+        if eng == ffi.NULL:
+            raise DFlashError(_native.err_str(err))
+        self._engine = ffi.gc(eng, lib.dflash_engine_free)
+
+    # create_completion tells generate how many tokens it will take
+    def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
+        self._dflash_budget = -1 if max_tokens is None else max_tokens
+        return super()._create_completion(prompt, suffix, max_tokens, *args, **kwargs)
+
+    def _fallback_reason(self, temp, mirostat_mode, logits_processor, stopping_criteria) -> str | None:
+        if self._drafter is None:
+            return None
+        if self.speculation == "off":
+            return "speculation off"
+        if self._unavailable:
+            return self._unavailable
+        if self._logits_all:
+            return "logits_all / logprobs"
+        if self.cache is not None:
+            return "prompt cache"
+        if logits_processor:
+            return "logits_processor"
+        if stopping_criteria:
+            return "stopping_criteria"
+        if mirostat_mode:
+            return "mirostat"
+        if temp < 0:
+            return "negative temperature"
+        return None
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None,
+                 grammar=None) -> Iterator[int]:
+        """llama_cpp.Llama.generate's contract (yield tokens until the caller stops), served by the
+        speculative loop when it can be exact, else by the base class."""
+        budget, self._dflash_budget = self._dflash_budget, -1
+        reason = self._fallback_reason(temp, mirostat_mode, logits_processor, stopping_criteria)
+        if self._drafter is None or reason is not None:
+            if reason is not None:
+                self.last_speculative_stats = SpecStats(drafter="none", mode="plain", fallback_reason=reason)
+                tot = self.speculative_stats_total
+                tot.fallbacks += 1
+                tot.fallback_reasons[reason] = tot.fallback_reasons.get(reason, 0) + 1
+            yield from super().generate(
+                tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar)
+            return
+        toks = [int(t) for t in tokens]
+        # Like the base generator, run until the caller stops (create_completion may read a few
+        # tokens past max_tokens to complete a UTF-8 character); drafts stop at its max_tokens.
+        max_tokens = self.n_ctx() - len(toks)
+        if max_tokens < 1:
+            return
+        sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
+                            grammar=grammar, seed=self._seed, mode=self.verify)
+        yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0)
+
+    def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int) -> Iterator[int]:
+        chain = None
+        if sp.is_plain_greedy:
+            mode = lib.DFLASH_VERIFY_GREEDY
+        elif sp.temperature == 0 or sp.mode == "match":
+            mode = lib.DFLASH_VERIFY_MATCH
+            chain = build_chain(sp, self._model.model, self._model.vocab, self._n_vocab, with_dist=True)
+        else:
+            mode = lib.DFLASH_VERIFY_REJECTION
+            chain = build_chain(sp, self._model.model, self._model.vocab, self._n_vocab, with_dist=False)
+        params = ffi.new("struct dflash_engine_params *", {
+            "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
+            "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
+            "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
+        err = _native.err_buf()
+        buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
+        try:
+            first = lib.dflash_engine_start(self._engine, ffi.new("int32_t[]", toks), len(toks), params, ffi.NULL,
+                                            err, _native.ERR_LEN)
+            if first < 0:
+                raise DFlashError(_native.err_str(err))
+            yield first
+            while True:
+                n = lib.dflash_engine_step(self._engine, buf, ffi.NULL, err, _native.ERR_LEN)
+                if n < 0:
+                    raise DFlashError(_native.err_str(err))
+                if n == 0:
+                    break
+                yield from (int(t) for t in buf[0:n])
+        finally:
+            with contextlib.suppress(Exception):
+                self._record_stats(mode)
+            if chain is not None:
+                chain.close()
+            # The KV cache now holds the speculative run: make the base class start afresh.
+            self.n_tokens = 0
+
+    def _record_stats(self, mode: int) -> None:
+        st = ffi.new("struct dflash_stats *")
+        lib.dflash_engine_get_stats(self._engine, st)
+        s = SpecStats.from_c(st, self.draft_n_max, "dflash")
+        s.mode = {0: "greedy", 1: "match", 2: "rejection"}[mode]
+        self.last_speculative_stats = s
+        tot = self.speculative_stats_total
+        tot.generations += 1
+        tot.steps += s.steps
+        tot.drafted += s.drafted
+        tot.accepted += s.accepted
+        tot.tokens += s.n_generated
+
+    def close(self) -> None:
+        self._engine = None  # before the context it drives
+        self._capture = None
+        if getattr(self, "_drafter", None) is not None:
+            self._drafter.close()
+            self._drafter = None
+        if hasattr(self, "_stack"):
+            super().close()
+

@@ -1,0 +1,74 @@
+"""`llama_dflash.Llama`: a llama_cpp.Llama whose outputs are unchanged by the drafter."""
+
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+import llama_dflash
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time, there was", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def pair(artifacts):
+    a = artifacts["llama"]
+    base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7)
+    yield base, spec
+    spec.close()
+    base.close()
+
+
+def test_is_a_llama_and_validates_options(artifacts, pair):
+    _, spec = pair
+    assert isinstance(spec, llama_cpp.Llama) and spec.draft_n_max == 7
+    with pytest.raises(TypeError, match="draft_n_maxx"):
+        llama_dflash.Llama(artifacts["llama"]["target"], n_ctx=64, verbose=False, draft_n_maxx=3)
+    with pytest.raises(ValueError, match="verify"):
+        llama_dflash.Llama(artifacts["llama"]["target"], n_ctx=64, verbose=False, verify="fast")
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=1.5, seed=11)])
+def test_completions_equal_plain(pair, kw):
+    base, spec = pair
+    for p in PROMPTS:
+        want = base.create_completion(p, max_tokens=24, **kw)
+        got = spec.create_completion(p, max_tokens=24, **kw)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], p
+        assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+        assert got["usage"] == want["usage"]
+        st = spec.last_speculative_stats
+        assert st.fallback_reason == "" and st.drafted > 0
+        # streaming: the same text, chunk by chunk
+        chunks = list(spec.create_completion(p, max_tokens=24, stream=True, **kw))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+
+
+def test_stop_strings_and_max_tokens(pair):
+    base, spec = pair
+    text = base.create_completion(PROMPTS[2], max_tokens=30, temperature=0.0)["choices"][0]["text"]
+    stop = text.split()[2]
+    want = base.create_completion(PROMPTS[2], max_tokens=30, temperature=0.0, stop=[stop])
+    got = spec.create_completion(PROMPTS[2], max_tokens=30, temperature=0.0, stop=[stop])
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] == text[:text.index(stop)]  # cut exactly there
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    for m in (1, 2, 3):
+        got = spec.create_completion(PROMPTS[0], max_tokens=m, temperature=0.0)
+        assert got["usage"]["completion_tokens"] == m
+        st = spec.last_speculative_stats
+        assert st.drafted <= max(0, m - 1)  # drafts never ran past the budget
+
+
+def test_chat_and_fallback(pair):
+    base, spec = pair
+    msgs = [{"role": "user", "content": "Say something."}]
+    want = base.create_chat_completion(msgs, max_tokens=20, temperature=0.0)
+    got = spec.create_chat_completion(msgs, max_tokens=20, temperature=0.0)
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    # a logits processor sees every position: served by plain decoding, recorded, output unchanged
+    got = spec.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0, logits_processor=[lambda ids, lg: lg])
+    want = base.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert spec.last_speculative_stats.fallback_reason == "logits_processor"
+    assert spec.speculative_stats_total.fallbacks >= 1 and spec.speculative_stats_total.generations >= 1
