@@ -231,16 +231,17 @@ static int32_t sample_dense(const float * w, int32_t n, double total, struct dfl
     return last >= 0 ? last : 0;
 }
 
-// One committed token of row `row` in greedy or match mode (match: the chain
-// samples it and accepts it into its own state).
+// One committed token of row `row` (match: the chain samples it and accepts it into
+// its own state).  margin (optional): the row's raw top-1 minus top-2 logit.
 static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_params * prm, int32_t row,
                           float * margin) {
+    if (prm->mode != DFLASH_VERIFY_GREEDY && margin) {
+        argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
+    }
     if (prm->mode == DFLASH_VERIFY_MATCH) {
-        *margin = NAN;
         return llama_sampler_sample(prm->sampler, e->ctx, row);
     }
     if (prm->mode == DFLASH_VERIFY_REJECTION) {
-        *margin = NAN;
         target_probs(e, row, prm->sampler);
         const int32_t tok = sample_dense(e->p, e->n_vocab, 1.0, &e->rng);
         if (prm->sampler) llama_sampler_accept(prm->sampler, tok);
@@ -341,7 +342,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     dflash_rng_seed(&e->rng, params->seed);
     st->mode = params->mode;
     float margin = 0.0f;
-    const int32_t tok = pick_token(e, params, -1, &margin);
+    const int32_t tok = pick_token(e, params, -1, out_margin ? &margin : NULL);
     e->t_start = dflash_now();
     st->t_prefill_s = e->t_start - t0;
     if (out_margin) *out_margin = margin;
@@ -443,7 +444,7 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
         } else {
             // Greedy / match: the target's own token for row i (the bonus after the last draft);
             // drafts are kept while they equal it.
-            tok = pick_token(e, params, i, &margin);
+            tok = pick_token(e, params, i, out_margins ? &margin : NULL);
             keep_going = i < n_drafted && drafts[i] == tok;
         }
         out_tokens[n_out] = tok;

@@ -68,3 +68,23 @@ def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("llama-dflash: error:") and msg in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_diff_reports_and_classifies(artifacts):
+    a = artifacts["llama"]
+    base = ["diff", "--model", a["target"], "--drafter", a["drafter"], "--n-ctx", "256", "--json"]
+    r = run(*base, "--prompt", "Hello", "--max-tokens", "32")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["identical"] is True
+    # the prompt whose plain and speculative outputs split at a near-tie (tests/test_engine.py)
+    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["identical"] is False and rep["verdict"] == "near-tie" and rep["position"] == 25
+    assert min(rep["plain_margin"], rep["spec_margin"]) < 0.1
+    # with a tiny eps the same divergence is reported as a mismatch, with a non-zero exit
+    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--eps", "0.0001")
+    assert r.returncode == 1 and json.loads(r.stdout)["verdict"] == "mismatch"
+    r = run("diff", "--model", a["target"], "--drafter", a["drafter"], "--prompt", "x", "--temperature", "1",
+            "--mode", "rejection")
+    assert r.returncode == 2 and "not seed-identical" in r.stderr
