@@ -72,3 +72,23 @@ def test_chat_and_fallback(pair):
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert spec.last_speculative_stats.fallback_reason == "logits_processor"
     assert spec.speculative_stats_total.fallbacks >= 1 and spec.speculative_stats_total.generations >= 1
+
+
+def test_interrupted_stream_then_new_request(pair, artifacts):
+    base, spec = pair
+    it = spec.create_completion(PROMPTS[0], max_tokens=24, temperature=0.0, stream=True)
+    next(it)
+    next(it)
+    it.close()  # a client that went away mid-stream
+    want = base.create_completion(PROMPTS[3], max_tokens=16, temperature=0.0)
+    got = spec.create_completion(PROMPTS[3], max_tokens=16, temperature=0.0)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    # a target without layer-input capture in a Llama context: plain decoding, reason recorded
+    q = artifacts["qwen2"]
+    llm = llama_dflash.Llama(q["target"], n_ctx=128, verbose=False, draft_model_path=q["drafter"])
+    ref = llama_cpp.Llama(q["target"], n_ctx=128, verbose=False)
+    assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
+        ref("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert "layer-input capture" in llm.last_speculative_stats.fallback_reason
+    llm.close()
+    ref.close()
