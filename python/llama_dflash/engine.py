@@ -15,7 +15,7 @@ from llama_cpp import _logger
 from . import _native
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter, DrafterInfo, check_file
-from .sampling import SamplingParams, build_chain
+from .sampling import MODE_NAMES, SamplingParams, verification
 from .stats import SpecStats
 
 DraftSource = Callable[[Sequence[int], int], Sequence[int]]
@@ -53,8 +53,21 @@ class _Request:
 
     def stats(self, st) -> SpecStats:
         s = SpecStats.from_c(st, self.draft_len, self.drafter_kind)
-        s.mode = {0: "greedy", 1: "match", 2: "rejection"}[st.mode]
+        s.mode = MODE_NAMES[st.mode]
         return s
+
+
+def engine_steps(engine, tokens: list[int], params, check: Callable[[int, object], None]) -> Iterator[list[int]]:
+    """Drive a C engine step by step: the prefill's token, then each verify step's tokens."""
+    err = _native.err_buf()
+    first = lib.dflash_engine_start(engine, ffi.new("int32_t[]", tokens), len(tokens), params, ffi.NULL, err,
+                                    _native.ERR_LEN)
+    check(first, err)
+    yield [first]
+    buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
+    while (n := lib.dflash_engine_step(engine, buf, ffi.NULL, err, _native.ERR_LEN)) != 0:
+        check(n, err)
+        yield list(buf[0:n])
 
 
 class SpeculativeGenerator:
@@ -243,19 +256,8 @@ class SpeculativeGenerator:
         list holds the prefill's token).  Closing the iterator early stops the generation;
         ``last_stats`` then describes what ran."""
         with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min) as rq:
-            err = _native.err_buf()
             try:
-                first = lib.dflash_engine_start(self._engine, rq.prompt_c, len(rq.tokens), rq.params, ffi.NULL, err,
-                                                _native.ERR_LEN)
-                rq.check(first, err)
-                yield [first]
-                buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
-                while True:
-                    n = lib.dflash_engine_step(self._engine, buf, ffi.NULL, err, _native.ERR_LEN)
-                    rq.check(n, err)
-                    if n == 0:
-                        break
-                    yield list(buf[0:n])
+                yield from engine_steps(self._engine, rq.tokens, rq.params, rq.check)
             finally:
                 st = ffi.new("struct dflash_stats *")
                 lib.dflash_engine_get_stats(self._engine, st)
@@ -302,15 +304,7 @@ class SpeculativeGenerator:
             step_cb = ffi.callback("dflash_step_fn", _step)
 
         sp = sampling or SamplingParams()
-        chain = None
-        if sp.is_plain_greedy:
-            mode = lib.DFLASH_VERIFY_GREEDY
-        elif sp.temperature == 0 or sp.mode == "match":
-            mode = lib.DFLASH_VERIFY_MATCH
-            chain = build_chain(sp, self._model, self._vocab, self.n_vocab, with_dist=True)
-        else:
-            mode = lib.DFLASH_VERIFY_REJECTION
-            chain = build_chain(sp, self._model, self._vocab, self.n_vocab, with_dist=False)
+        mode, chain = verification(sp, self._model, self._vocab, self.n_vocab)
         seed = sp.seed if sp.seed != 0xFFFFFFFF else int.from_bytes(os.urandom(8), "little")
         rq.params = ffi.new("struct dflash_engine_params *",
                             {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,

@@ -19,7 +19,8 @@ import llama_cpp
 from . import _native
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter
-from .sampling import SamplingParams, build_chain
+from .engine import engine_steps
+from .sampling import MODE_NAMES, SamplingParams, verification
 from .stats import SpecStats
 
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation"}
@@ -158,34 +159,19 @@ class Llama(llama_cpp.Llama):
         yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int) -> Iterator[int]:
-        chain = None
-        if sp.is_plain_greedy:
-            mode = lib.DFLASH_VERIFY_GREEDY
-        elif sp.temperature == 0 or sp.mode == "match":
-            mode = lib.DFLASH_VERIFY_MATCH
-            chain = build_chain(sp, self._model.model, self._model.vocab, self._n_vocab, with_dist=True)
-        else:
-            mode = lib.DFLASH_VERIFY_REJECTION
-            chain = build_chain(sp, self._model.model, self._model.vocab, self._n_vocab, with_dist=False)
+        mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab)
         params = ffi.new("struct dflash_engine_params *", {
             "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
             "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
-        err = _native.err_buf()
-        buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
-        try:
-            first = lib.dflash_engine_start(self._engine, ffi.new("int32_t[]", toks), len(toks), params, ffi.NULL,
-                                            err, _native.ERR_LEN)
-            if first < 0:
+
+        def check(rc: int, err) -> None:
+            if rc < 0:
                 raise DFlashError(_native.err_str(err))
-            yield first
-            while True:
-                n = lib.dflash_engine_step(self._engine, buf, ffi.NULL, err, _native.ERR_LEN)
-                if n < 0:
-                    raise DFlashError(_native.err_str(err))
-                if n == 0:
-                    break
-                yield from (int(t) for t in buf[0:n])
+
+        try:
+            for step in engine_steps(self._engine, toks, params, check):
+                yield from step
         finally:
             with contextlib.suppress(Exception):
                 self._record_stats(mode)
@@ -198,7 +184,7 @@ class Llama(llama_cpp.Llama):
         st = ffi.new("struct dflash_stats *")
         lib.dflash_engine_get_stats(self._engine, st)
         s = SpecStats.from_c(st, self.draft_n_max, "dflash")
-        s.mode = {0: "greedy", 1: "match", 2: "rejection"}[mode]
+        s.mode = MODE_NAMES[mode]
         self.last_speculative_stats = s
         tot = self.speculative_stats_total
         tot.generations += 1

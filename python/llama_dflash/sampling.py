@@ -69,3 +69,17 @@ def build_chain(p: SamplingParams, model, vocab, n_vocab: int, with_dist: bool =
     if with_dist:
         s.add_dist(p.seed)
     return s
+
+
+MODE_NAMES = {0: "greedy", 1: "match", 2: "rejection"}  # enum dflash_verify_mode
+
+
+def verification(p: SamplingParams, model, vocab, n_vocab: int):
+    """The C loop's verify mode for a request, and the sampler chain it needs (or None):
+    exact argmax when nothing transforms the logits, else the chain (match) or its transforms
+    without the final draw (rejection)."""
+    if p.is_plain_greedy:
+        return 0, None
+    if p.temperature == 0 or p.mode == "match":
+        return 1, build_chain(p, model, vocab, n_vocab, with_dist=True)
+    return 2, build_chain(p, model, vocab, n_vocab, with_dist=False)
