@@ -57,6 +57,7 @@ class TargetSpec:
     seed: int = 0
     ctx: int = 4096
     eos_id: int = 2
+    layer_scale: float = LAYER_SCALE
 
 
 def write_target(path: str, spec: TargetSpec) -> str:
@@ -108,7 +109,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
         else:
             qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[spec.output_type]
             w.add_tensor("output.weight", quantize(head, qt), raw_dtype=qt)
-    s = LAYER_SCALE / np.sqrt(E)
+    s = spec.layer_scale / np.sqrt(E)
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(E))
@@ -126,7 +127,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
         w.add_tensor(p + "ffn_norm.weight", norm(E))
         w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E, s))
         w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E, s))
-        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff, LAYER_SCALE / np.sqrt(spec.n_ff)))
+        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
