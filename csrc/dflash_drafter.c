@@ -252,30 +252,37 @@ struct dflash_graph {
     int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
 };
 
-// DFlash2 convolution of one side over each block (docs §3.1):
-//   out[:, i] = sum_t (base[side, t] + dyn_i[side, t, grp(c)]) * x[:, i - t],  x[:, j < 0] = 0,
-// i counted from the start of its own block.  x: [H, B * S], dyn: [2*K*G, B * S].
+// DFlash2 per-slot kernels of one sub-layer (docs §3.1): kern[:, side*K + t, i] =
+// base[side, t] + dyn_i[side, t, grp(c)], the group value spread over its g channels.
+// dyn: [2*K*G, N] from the normed sub-layer input.  Result: [H, 2*K, N].
+static struct ggml_tensor * conv_kernels(const struct dflash_drafter * d, struct ggml_context * ctx,
+                                         struct ggml_tensor * dyn, struct ggml_tensor * base) {
+    const struct dflash_drafter_info * hp = &d->hp;
+    const int64_t H = hp->n_embd, N = dyn->ne[1], K = hp->conv_kernel_size, g = hp->conv_group_size;
+    const int64_t G = H / g;
+    struct ggml_tensor * k = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, dyn, 1, 2 * K * G, N), g, 2 * K * G, N, 1);
+    k = ggml_reshape_3d(ctx, k, H, 2 * K, N);
+    return ggml_add(ctx, k, ggml_reshape_3d(ctx, base, H, 2 * K, 1));
+}
+
+// One side of the convolution over each block:
+//   out[:, i] = sum_t kern[:, side*K + t, i] * x[:, i - t],  x[:, j < 0] = 0,
+// i counted from the start of its own block.  x: [H, B * S].
 static struct ggml_tensor * dyn_conv(const struct dflash_drafter * d, struct ggml_context * ctx,
-                                     struct ggml_tensor * x, struct ggml_tensor * dyn,
-                                     struct ggml_tensor * base, int side, int64_t B) {
+                                     struct ggml_tensor * x, struct ggml_tensor * kern, int side, int64_t B) {
     const struct dflash_drafter_info * hp = &d->hp;
     const int64_t H = hp->n_embd, N = x->ne[1], S = N / B, K = hp->conv_kernel_size;
-    const int64_t g = hp->conv_group_size, G = H / g;
     x = ggml_cont(ctx, x);
     struct ggml_tensor * out = NULL;
     for (int64_t t = 0; t < K && t < B; t++) {
-        struct ggml_tensor * dt = ggml_view_2d(ctx, dyn, G, N, dyn->nb[1], (size_t) (side * K * G + t * G) * sizeof(float));
-        dt = ggml_reshape_3d(ctx, ggml_cont(ctx, dt), 1, G, N);
-        dt = ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, dt, g, G, N, 1), H, N); // group value on its g channels
-        struct ggml_tensor * bt = ggml_view_1d(ctx, base, H, (size_t) (side * K + t) * H * ggml_element_size(base));
-        struct ggml_tensor * kern = ggml_add(ctx, dt, bt);
+        struct ggml_tensor * kt = ggml_view_2d(ctx, kern, H, N, kern->nb[2], (size_t) (side * K + t) * kern->nb[1]);
         struct ggml_tensor * xs = x;
         if (t > 0) {
             // shift by t inside every block: the first t slots of each block read zeros
             struct ggml_tensor * v = ggml_view_3d(ctx, x, H, B - t, S, x->nb[1], x->nb[1] * B, 0);
-            xs = ggml_reshape_2d(ctx, ggml_pad_ext(ctx, ggml_cont(ctx, v), 0, 0, (int) t, 0, 0, 0, 0, 0), H, N);
+            xs = ggml_reshape_2d(ctx, ggml_pad_ext(ctx, v, 0, 0, (int) t, 0, 0, 0, 0, 0), H, N);
         }
-        struct ggml_tensor * term = ggml_mul(ctx, kern, xs);
+        struct ggml_tensor * term = ggml_mul(ctx, kt, xs);
         out = out ? ggml_add(ctx, out, term) : term;
     }
     return out;
@@ -406,10 +413,10 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         const bool v2 = hp->version == 2;
         const bool swa = hp->n_swa > 0 && ((hp->swa_layers >> il) & 1u);
         struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
-        struct ggml_tensor * dyn_a = NULL;
+        struct ggml_tensor * kern_a = NULL;
         if (v2) {
-            dyn_a = ggml_mul_mat(ctx, L->attn_conv_proj, u);
-            u = dyn_conv(d, ctx, u, dyn_a, L->attn_conv_base, 0, B);
+            kern_a = conv_kernels(d, ctx, ggml_mul_mat(ctx, L->attn_conv_proj, u), L->attn_conv_base);
+            u = dyn_conv(d, ctx, u, kern_a, 0, B);
         }
         u = ggml_cont(ctx, u);
 
@@ -443,19 +450,19 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         }
         o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, N);
         o = ggml_mul_mat(ctx, L->wo, o);
-        if (v2) o = dyn_conv(d, ctx, o, dyn_a, L->attn_conv_base, 1, B);
+        if (v2) o = dyn_conv(d, ctx, o, kern_a, 1, B);
         h = ggml_add(ctx, h, o);
 
         struct ggml_tensor * v = rms(ctx, h, L->ffn_norm, hp->rms_eps);
-        struct ggml_tensor * dyn_m = NULL;
+        struct ggml_tensor * kern_m = NULL;
         if (v2) {
-            dyn_m = ggml_mul_mat(ctx, L->ffn_conv_proj, v);
-            v = dyn_conv(d, ctx, v, dyn_m, L->ffn_conv_base, 0, B);
+            kern_m = conv_kernels(d, ctx, ggml_mul_mat(ctx, L->ffn_conv_proj, v), L->ffn_conv_base);
+            v = dyn_conv(d, ctx, v, kern_m, 0, B);
         }
         struct ggml_tensor * g = ggml_silu(ctx, ggml_mul_mat(ctx, L->ffn_gate, v));
         struct ggml_tensor * m = ggml_mul(ctx, g, ggml_mul_mat(ctx, L->ffn_up, v));
         m = ggml_mul_mat(ctx, L->ffn_down, m);
-        if (v2) m = dyn_conv(d, ctx, m, dyn_m, L->ffn_conv_base, 1, B);
+        if (v2) m = dyn_conv(d, ctx, m, kern_m, 1, B);
         h = ggml_add(ctx, h, m);
     }
 
