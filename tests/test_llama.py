@@ -92,3 +92,18 @@ def test_interrupted_stream_then_new_request(pair, artifacts):
     assert "layer-input capture" in llm.last_speculative_stats.fallback_reason
     llm.close()
     ref.close()
+
+
+def test_specconfig_like_object(artifacts):
+    from types import SimpleNamespace
+
+    a = artifacts["llama"]
+    cfg = SimpleNamespace(spec_type="SpeculativeType.DRAFT_DFLASH", draft_model_path=a["drafter"], draft_n_max=5,
+                          draft_p_min=0.0)
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, speculative=cfg)
+    assert llm.draft_n_max == 5
+    llm("Hello", max_tokens=6, temperature=0.0)
+    assert llm.last_speculative_stats.drafted > 0
+    llm.close()
+    with pytest.raises(ValueError, match="only DFlash"):
+        llama_dflash.Llama(a["target"], n_ctx=64, verbose=False, speculative=SimpleNamespace(spec_type="NGRAM"))

@@ -23,7 +23,7 @@ from .engine import engine_steps
 from .sampling import MODE_NAMES, SamplingParams, verification
 from .stats import SpecStats
 
-_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation"}
+_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative"}
 
 
 @dataclass
@@ -52,10 +52,20 @@ class Llama(llama_cpp.Llama):
     verify: "match" (seeded output identical to plain decoding) or "rejection"
     (speculative sampling with the drafter's q: same distribution, other random stream).
     speculation: "on" or "off".
+    speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
+    optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
     """
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
-                 draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on", **kwargs) -> None:
+                 draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on", speculative=None,
+                 **kwargs) -> None:
+        if speculative is not None:
+            kind = str(getattr(speculative, "spec_type", "dflash")).lower()
+            if "dflash" not in kind:
+                raise ValueError(f"speculative.spec_type {kind!r}: only DFlash / DFlash2 drafters are supported")
+            draft_model_path = getattr(speculative, "draft_model_path", None) or draft_model_path
+            draft_n_max = getattr(speculative, "draft_n_max", None) or draft_n_max
+            draft_p_min = getattr(speculative, "draft_p_min", None) or draft_p_min
         unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif"))]
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
