@@ -204,6 +204,7 @@ struct dflash_stats {
     double  t_total_s;     /* decode phase: after prefill until the end */
     int32_t stop_reason;   /* 1 = eos, 2 = max_tokens */
     int32_t mode;          /* the verify mode that ran */
+    int32_t n_reused;      /* prompt tokens whose KV was kept from the previous generation */
 };
 
 enum dflash_verify_mode {
@@ -223,6 +224,8 @@ struct dflash_engine_params {
      * p is the softmax of what survives.  Committed tokens are accepted into it. */
     struct llama_sampler * sampler;
     float    p_min;        /* GREEDY / MATCH: confidence cut-off of the draft (0 = off) */
+    bool     reuse_prefix; /* keep the target KV / drafter cache of the previous generation's common
+                              prefix with this prompt and prefill only the rest */
     int32_t  draft_budget; /* no drafts past this many generated tokens (0 = max_tokens): a caller
                               that usually stops there (a completion's max_tokens) but may read
                               on wastes no verification */
@@ -265,6 +268,11 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
 int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins,
                            char * err, size_t err_len);
 void    dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out);
+/* Logits (n_vocab floats, the target's raw row) that produced the k-th token returned
+ * by the last start (k = 0) or step; valid until the next start / step. */
+const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);
+/* Forget what the target KV holds (someone else used the context): no prefix reuse next time. */
+void    dflash_engine_forget(dflash_engine * e);
 
 /* The whole generation (start + steps).  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus

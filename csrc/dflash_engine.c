@@ -180,6 +180,7 @@ int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_
     }
     if (!check_tokens(e, tokens, n, err, err_len)) return -1;
     const size_t width = (size_t) dflash_capture_row_width(e->capture);
+    dflash_engine_forget(e);
     llama_memory_clear(llama_get_memory(e->ctx), true);
     for (int32_t p = 0; p < n; p += e->n_batch) {
         const int32_t m = n - p < e->n_batch ? n - p : e->n_batch;
@@ -323,17 +324,31 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
         e->history = h;
         e->history_cap = need;
     }
+    // Prefix reuse: the previous generation's target KV and drafter cache hold history[0..n_past);
+    // keep their common prefix with this prompt (never the last prompt token: its logits are needed).
+    llama_memory_t mem = llama_get_memory(e->ctx);
+    int32_t reuse = 0;
+    if (params->reuse_prefix && e->n_past > 0 && llama_memory_seq_pos_max(mem, 0) + 1 == e->n_past &&
+        (!e->drafter || dflash_drafter_n_ctx_used(e->drafter) == e->n_past)) {
+        while (reuse < e->n_past && reuse < n_prompt - 1 && e->history[reuse] == prompt[reuse]) reuse++;
+        if (reuse > 0 && !llama_memory_seq_rm(mem, 0, reuse, -1)) reuse = 0; // no partial removal (recurrent)
+    }
+    if (reuse > 0) {
+        if (e->drafter) dflash_drafter_truncate(e->drafter, reuse);
+    } else {
+        llama_memory_clear(mem, true);
+        if (e->drafter) dflash_drafter_reset(e->drafter);
+    }
+    e->n_past = 0; // until this generation's prefill is done
     memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
     e->prm = *params;
     e->n_hist = n_prompt;
-
-    llama_memory_clear(llama_get_memory(e->ctx), true);
-    if (e->drafter) dflash_drafter_reset(e->drafter);
     st->n_prompt = n_prompt;
+    st->n_reused = reuse;
 
     // Prefill, chunk by chunk; every chunk's features go to the drafter.
     const double t0 = dflash_now();
-    for (int32_t p = 0; p < n_prompt; p += e->n_batch) {
+    for (int32_t p = reuse; p < n_prompt; p += e->n_batch) {
         const int32_t n = n_prompt - p < e->n_batch ? n_prompt - p : e->n_batch;
         const float * feats = NULL;
         if (decode(e, prompt + p, n, p, p + n == n_prompt ? n - 1 : n, &feats, err, err_len) != 0) return -1;
@@ -493,6 +508,16 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
 
 void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out) {
     *out = e->stats;
+}
+
+const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k) {
+    // start: the prefill's last row; a step: verify row k produced its k-th token
+    return llama_get_logits_ith(e->ctx, e->stats.steps == 0 ? -1 : k);
+}
+
+void dflash_engine_forget(dflash_engine * e) {
+    e->n_past = 0;
+    e->active = false;
 }
 
 int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,

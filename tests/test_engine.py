@@ -175,3 +175,26 @@ def test_stream_yields_each_step_and_stops_early(artifacts):
         it.close()  # a consumer that stops early (a stop string, a disconnect)
         assert g.last_stats.stop_reason == "stopped" and got == full.tokens[:len(got)]
         assert g.generate(toks, 30, draft_len=5, stop_on_eos=False).tokens == full.tokens
+
+
+def test_prefix_reuse_prefills_only_the_new_suffix(artifacts):
+    """A second turn keeps the KV / drafter cache of the common prefix (truncated in lockstep)."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        turn1 = g.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+        r1 = g.generate(turn1, 24, draft_len=7, stop_on_eos=False, reuse_prefix=True)
+        assert r1.stats.n_reused == 0
+        turn2 = turn1 + r1.tokens + g.tokenize("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n")
+        recs: list[dict] = []
+        r2 = g.generate(turn2, 24, draft_len=7, stop_on_eos=False, reuse_prefix=True,
+                        on_step=invariant_checker(7, recs))
+        # everything of turn 1 that is in the KV cache (all but the last generated token) is kept
+        assert r2.stats.n_reused == len(turn1) + len(r1.tokens) - 1
+        fresh = g.generate(turn2, 24, draft_len=0, stop_on_eos=False, return_margins=True)
+        assert fresh.stats.n_reused == 0
+        i = first_divergence(fresh.tokens, r2.tokens)
+        assert i is None or fresh.margins[i] < EPS
+        # a different conversation shares nothing: full prefill, same output as fresh
+        other = g.tokenize("Something else entirely")
+        r3 = g.generate(other, 8, stop_on_eos=False, reuse_prefix=True)
+        assert r3.stats.n_reused == 0

@@ -66,6 +66,8 @@ def test_chat_and_fallback(pair):
     want = base.create_chat_completion(msgs, max_tokens=20, temperature=0.0)
     got = spec.create_chat_completion(msgs, max_tokens=20, temperature=0.0)
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    # the chat handler's stopping criteria are honoured on verified tokens: still speculative
+    assert spec.last_speculative_stats.fallback_reason == "" and spec.last_speculative_stats.drafted > 0
     # a logits processor sees every position: served by plain decoding, recorded, output unchanged
     got = spec.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0, logits_processor=[lambda ids, lg: lg])
     want = base.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0)
@@ -107,3 +109,14 @@ def test_specconfig_like_object(artifacts):
     llm.close()
     with pytest.raises(ValueError, match="only DFlash"):
         llama_dflash.Llama(a["target"], n_ctx=64, verbose=False, speculative=SimpleNamespace(spec_type="NGRAM"))
+
+
+def test_second_chat_turn_reuses_the_prefix(pair):
+    base, spec = pair
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    first = spec.create_chat_completion(msgs, max_tokens=16, temperature=0.0)
+    msgs2 = msgs + [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    want = base.create_chat_completion(msgs2, max_tokens=16, temperature=0.0)
+    got = spec.create_chat_completion(msgs2, max_tokens=16, temperature=0.0)
+    assert spec.last_speculative_stats.n_reused > 10  # only the new suffix was evaluated
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]

@@ -213,6 +213,7 @@ class SpeculativeGenerator:
         on_step: StepCallback | None = None,
         sampling: SamplingParams | None = None,
         p_min: float = 0.0,
+        reuse_prefix: bool = False,
     ) -> GenerationResult:
         """Speculative generation whose output is distributed exactly as plain decoding's.
 
@@ -225,10 +226,12 @@ class SpeculativeGenerator:
         drafter's block - 1; 0 decodes plainly).  p_min cuts a greedy / match
         draft at its first slot less confident than p_min.  draft_source
         replaces the DFlash drafter with a Python callable.  on_step receives
-        each step's cache state.
+        each step's cache state.  reuse_prefix keeps the previous generation's
+        KV / drafter cache for the common prefix (a chat's earlier turns) and
+        prefills only the rest.
         """
         with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling,
-                           p_min) as rq:
+                           p_min, reuse_prefix) as rq:
             out = ffi.new("int32_t[]", max_tokens)
             margins = ffi.new("float[]", max_tokens) if return_margins else ffi.NULL
             st = ffi.new("struct dflash_stats *")
@@ -251,11 +254,13 @@ class SpeculativeGenerator:
         stop_on_eos: bool = True,
         sampling: SamplingParams | None = None,
         p_min: float = 0.0,
+        reuse_prefix: bool = False,
     ) -> Iterator[list[int]]:
         """Like generate, but yields the tokens of every step as it commits them (the first
         list holds the prefill's token).  Closing the iterator early stops the generation;
         ``last_stats`` then describes what ran."""
-        with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min) as rq:
+        with self._request(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min,
+                           reuse_prefix) as rq:
             try:
                 yield from engine_steps(self._engine, rq.tokens, rq.params, rq.check)
             finally:
@@ -264,7 +269,8 @@ class SpeculativeGenerator:
                 self.last_stats = rq.stats(st)
 
     @contextlib.contextmanager
-    def _request(self, prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min):
+    def _request(self, prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
+                 reuse_prefix=False):
         """Validate a request and set up its C-side pieces (callbacks, sampler chain); tear them down after."""
         if self._engine is None:
             raise DFlashError("generator is closed")
@@ -309,6 +315,7 @@ class SpeculativeGenerator:
         rq.params = ffi.new("struct dflash_engine_params *",
                             {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
                              "mode": mode, "temperature": sp.temperature, "seed": seed, "p_min": p_min,
+                             "reuse_prefix": reuse_prefix,
                              "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         rq.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
         lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)

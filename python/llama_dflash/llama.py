@@ -11,10 +11,12 @@ the reason is recorded in ``last_speculative_stats``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import llama_cpp
+import numpy as np
 
 from . import _native
 from ._native import ffi, lib
@@ -22,6 +24,13 @@ from .drafter import DFlashError, Drafter
 from .engine import engine_steps
 from .sampling import MODE_NAMES, SamplingParams, verification
 from .stats import SpecStats
+
+
+def lib_logits(engine, k: int):
+    """The raw logits row behind the k-th token of the engine's last step, as a ctypes pointer."""
+    return ctypes.cast(int(ffi.cast("uintptr_t", lib.dflash_engine_last_logits(engine, k))),
+                       ctypes.POINTER(ctypes.c_float))
+
 
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative"}
 
@@ -112,7 +121,7 @@ class Llama(llama_cpp.Llama):
         self._dflash_budget = -1 if max_tokens is None else max_tokens
         return super()._create_completion(prompt, suffix, max_tokens, *args, **kwargs)
 
-    def _fallback_reason(self, temp, mirostat_mode, logits_processor, stopping_criteria) -> str | None:
+    def _fallback_reason(self, temp, mirostat_mode, logits_processor) -> str | None:
         if self._drafter is None:
             return None
         if self.speculation == "off":
@@ -125,8 +134,6 @@ class Llama(llama_cpp.Llama):
             return "prompt cache"
         if logits_processor:
             return "logits_processor"
-        if stopping_criteria:
-            return "stopping_criteria"
         if mirostat_mode:
             return "mirostat"
         if temp < 0:
@@ -142,8 +149,10 @@ class Llama(llama_cpp.Llama):
         """llama_cpp.Llama.generate's contract (yield tokens until the caller stops), served by the
         speculative loop when it can be exact, else by the base class."""
         budget, self._dflash_budget = self._dflash_budget, -1
-        reason = self._fallback_reason(temp, mirostat_mode, logits_processor, stopping_criteria)
+        reason = self._fallback_reason(temp, mirostat_mode, logits_processor)
         if self._drafter is None or reason is not None:
+            if self._engine is not None:
+                lib.dflash_engine_forget(self._engine)  # the base class is about to use the context
             if reason is not None:
                 self.last_speculative_stats = SpecStats(drafter="none", mode="plain", fallback_reason=reason)
                 tot = self.speculative_stats_total
@@ -166,29 +175,49 @@ class Llama(llama_cpp.Llama):
                             repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
                             grammar=grammar, seed=self._seed, mode=self.verify)
-        yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0)
+        yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria)
 
-    def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int) -> Iterator[int]:
+    def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
+                   stopping_criteria=None) -> Iterator[int]:
         mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab)
         params = ffi.new("struct dflash_engine_params *", {
             "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
             "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
+            "reuse_prefix": True,
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
 
         def check(rc: int, err) -> None:
             if rc < 0:
                 raise DFlashError(_native.err_str(err))
 
+        ids = list(toks)
         try:
             for step in engine_steps(self._engine, toks, params, check):
-                yield from step
+                for k, t in enumerate(step):
+                    # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
+                    # the row that produced it -- only verified tokens, never drafts.
+                    if stopping_criteria is not None:
+                        row = np.ctypeslib.as_array(lib_logits(self._engine, k), (self._n_vocab,))
+                        if stopping_criteria(np.asarray(ids, dtype=np.intc), row):
+                            return
+                    ids.append(t)
+                    yield t
         finally:
             with contextlib.suppress(Exception):
                 self._record_stats(mode)
             if chain is not None:
                 chain.close()
-            # The KV cache now holds the speculative run: make the base class start afresh.
-            self.n_tokens = 0
+            # Tell the base class what the KV cache now holds (everything committed but the last
+            # token), so that its own prefix matching and bookkeeping stay true.
+            kept = min(self._engine_kv_len(), len(ids))
+            if kept < self._engine_kv_len():  # the consumer stopped inside a step: drop what it never saw
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
+                lib.dflash_engine_forget(self._engine)
+            self.input_ids[:kept] = ids[:kept]
+            self.n_tokens = kept
+
+    def _engine_kv_len(self) -> int:
+        return max(0, llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self._ctx.ctx), 0) + 1)
 
     def _record_stats(self, mode: int) -> None:
         st = ffi.new("struct dflash_stats *")

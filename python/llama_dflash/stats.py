@@ -16,6 +16,7 @@ class SpecStats:
     """
 
     n_prompt: int = 0
+    n_reused: int = 0  # prompt tokens whose KV was kept from the previous generation
     n_generated: int = 0
     steps: int = 0
     drafted: int = 0
@@ -58,6 +59,7 @@ class SpecStats:
         accepted = [int(st.per_position_accepted[i]) for i in range(n)]
         return cls(
             n_prompt=st.n_prompt,
+            n_reused=st.n_reused,
             n_generated=st.n_generated,
             steps=st.steps,
             drafted=st.drafted,
