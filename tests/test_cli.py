@@ -88,3 +88,17 @@ def test_diff_reports_and_classifies(artifacts):
     r = run("diff", "--model", a["target"], "--drafter", a["drafter"], "--prompt", "x", "--temperature", "1",
             "--mode", "rejection")
     assert r.returncode == 2 and "not seed-identical" in r.stderr
+
+
+def test_demo_runs(tmp_path):
+    """The README's main job, briefly: the default SmolLM2 target, a drafter, both runs, the verdict."""
+    import os
+
+    env = dict(os.environ, LLAMA_DFLASH_CACHE=os.environ.get("LLAMA_DFLASH_CACHE", str(tmp_path)))
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.cli", "demo", "--max-tokens", "12", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["plain"]["stats"]["drafted"] == 0 and out["speculative"]["stats"]["drafted"] > 0
+    assert len(out["speculative"]["tokens"]) == 12 and isinstance(out["identical"], bool)
+    assert out["divergence"]["identical"] == out["identical"]

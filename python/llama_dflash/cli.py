@@ -97,12 +97,14 @@ def cmd_demo(a: argparse.Namespace) -> int:
     with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
-        plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False)
-        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False)
+        plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
+        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False, return_margins=True)
+        report = divergence_report(g, plain, spec, 0.1)
     same = plain.tokens == spec.tokens
     if a.json:
         print(json.dumps({"target": str(target), "drafter": str(drafter), "trained_drafter": trained,
-                          "identical": same, "plain": _stats_json(plain), "speculative": _stats_json(spec)}))
+                          "identical": same, "divergence": report, "plain": _stats_json(plain),
+                          "speculative": _stats_json(spec)}))
         return 0
     print(f"target : {target}")
     print(f"drafter: {drafter}" + ("" if trained else "  (untrained random weights: no trained drafter "
@@ -112,6 +114,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(_summary("speculative", spec.stats))
     print(f"speedup {spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9):.2f}x, "
           f"greedy outputs identical: {same}")
+    if not same and "plain_margin" in report:
+        print(f"first difference at token {report['position']}: top-1/top-2 margins {report['plain_margin']:.3f} "
+              f"(plain) / {report['spec_margin']:.3f} (speculative) -> "
+              + ("a numerical near-tie: batched verification and single-token decoding round differently"
+                 if report["verdict"] == "near-tie" else "NOT a near-tie: please report this"))
     return 0
 
 
@@ -175,6 +182,22 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def divergence_report(g, plain, spec, eps: float, sampled: bool = False) -> dict:
+    """Where a speculative run first differs from the plain one, with both rows' top-1/top-2 margins
+    and a verdict: near-tie (a margin below eps), sampled, mismatch (a bug) or length."""
+    i = _first_divergence(plain.tokens, spec.tokens)
+    report = {"identical": i is None, "n_tokens": len(plain.tokens), "tau": spec.stats.tau}
+    if i is not None and i < min(len(plain.tokens), len(spec.tokens)):
+        mp, ms = plain.margins[i], spec.margins[i]
+        report.update(position=i, plain_token=plain.tokens[i], spec_token=spec.tokens[i],
+                      plain_piece=g.detokenize([plain.tokens[i]]), spec_piece=g.detokenize([spec.tokens[i]]),
+                      plain_margin=mp, spec_margin=ms,
+                      verdict="near-tie" if min(mp, ms) < eps else ("sampled" if sampled else "mismatch"))
+    elif i is not None:
+        report.update(position=i, verdict="length")
+    return report
+
+
 def cmd_diff(a: argparse.Namespace) -> int:
     """Plain vs speculative on the same request; classify the first divergence."""
     from .engine import SpeculativeGenerator
@@ -186,17 +209,8 @@ def cmd_diff(a: argparse.Namespace) -> int:
         toks = g.tokenize(_prompt(a))
         plain = g.generate(toks, a.max_tokens, draft_len=0, sampling=sp, return_margins=True)
         spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True)
-        i = _first_divergence(plain.tokens, spec.tokens)
-        report = {"identical": i is None, "n_tokens": len(plain.tokens), "tau": spec.stats.tau}
-        if i is not None and i < min(len(plain.tokens), len(spec.tokens)):
-            mp, ms = plain.margins[i], spec.margins[i]
-            near = min(mp, ms) < a.eps
-            report.update(position=i, plain_token=plain.tokens[i], spec_token=spec.tokens[i],
-                          plain_piece=g.detokenize([plain.tokens[i]]), spec_piece=g.detokenize([spec.tokens[i]]),
-                          plain_margin=mp, spec_margin=ms,
-                          verdict="near-tie" if near else ("sampled" if sp.temperature > 0 else "mismatch"))
-        elif i is not None:
-            report.update(position=i, verdict="length")
+        report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
+    i = report.get("position")
     if a.json:
         print(json.dumps(report))
     elif i is None:
