@@ -120,3 +120,21 @@ def test_second_chat_turn_reuses_the_prefix(pair):
     got = spec.create_chat_completion(msgs2, max_tokens=16, temperature=0.0)
     assert spec.last_speculative_stats.n_reused > 10  # only the new suffix was evaluated
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
+
+
+def test_speculation_auto_keeps_output(artifacts):
+    """speculation="auto" measures plain and speculative steps and stops drafting when it does not pay
+    (an untrained drafter never does); the output is unchanged either way."""
+    a = artifacts["llama"]
+    base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    auto = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"],
+                              draft_n_max=7, speculation="auto")
+    for p in PROMPTS[:2]:
+        want = base.create_completion(p, max_tokens=48, temperature=0.0)["choices"][0]["text"]
+        assert auto.create_completion(p, max_tokens=48, temperature=0.0)["choices"][0]["text"] == want
+        st = auto.last_speculative_stats
+        assert 0 < st.drafted <= 6 * 7  # plain probe, then at most the speculative probe
+        if st.fallback_reason:
+            assert st.fallback_reason.startswith("auto: speculative")
+    auto.close()
+    base.close()

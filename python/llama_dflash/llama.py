@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -60,7 +61,8 @@ class Llama(llama_cpp.Llama):
     draft_p_min: cut drafts at the first slot less confident than this.
     verify: "match" (seeded output identical to plain decoding) or "rejection"
     (speculative sampling with the drafter's q: same distribution, other random stream).
-    speculation: "on" or "off".
+    speculation: "on", "off", or "auto" (measure plain and speculative steps early in each
+    generation and draft no more when speculation is slower; output unchanged either way).
     speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
     optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
     """
@@ -80,8 +82,8 @@ class Llama(llama_cpp.Llama):
             raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
         if verify not in ("match", "rejection"):
             raise ValueError(f"verify must be 'match' or 'rejection', got {verify!r}")
-        if speculation not in ("on", "off"):
-            raise ValueError(f"speculation must be 'on' or 'off', got {speculation!r}")
+        if speculation not in ("on", "off", "auto"):
+            raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
         super().__init__(model_path, *args, **kwargs)
         self.verify = verify
         self.speculation = speculation
@@ -191,8 +193,11 @@ class Llama(llama_cpp.Llama):
                 raise DFlashError(_native.err_str(err))
 
         ids = list(toks)
+        auto = _AutoSpeculation(self._engine, self.draft_n_max) if self.speculation == "auto" else None
         try:
             for step in engine_steps(self._engine, toks, params, check):
+                if auto is not None:
+                    auto.observe(len(step))
                 for k, t in enumerate(step):
                     # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
                     # the row that produced it -- only verified tokens, never drafts.
@@ -205,6 +210,8 @@ class Llama(llama_cpp.Llama):
         finally:
             with contextlib.suppress(Exception):
                 self._record_stats(mode)
+                if auto is not None and auto.reason:
+                    self.last_speculative_stats.fallback_reason = auto.reason
             if chain is not None:
                 chain.close()
             # Tell the base class what the KV cache now holds (everything committed but the last
@@ -241,3 +248,44 @@ class Llama(llama_cpp.Llama):
         if hasattr(self, "_stack"):
             super().close()
 
+
+
+class _AutoSpeculation:
+    """speculation="auto": a few plain steps measure the target's own speed, then speculative
+    steps measure theirs; drafting stops for the rest of the generation when it is slower.
+    Output is unchanged either way (both are exact)."""
+
+    PLAIN_STEPS = 3
+    SPEC_STEPS = 6
+
+    def __init__(self, engine, draft_len: int) -> None:
+        self.engine, self.draft_len = engine, draft_len
+        self.phase = "plain"
+        self.count, self.tokens = 0, 0
+        self.t0 = time.perf_counter()
+        self.plain_rate = 0.0
+        self.reason = ""
+
+    def observe(self, n_tokens: int) -> None:
+        """Called as each step's tokens arrive (the first call: the prefill's token)."""
+        now = time.perf_counter()
+        if self.phase == "plain":
+            if self.count > 0:  # the prefill's token is not a decode step
+                self.tokens += n_tokens
+            self.count += 1
+            if self.count > self.PLAIN_STEPS:
+                self.plain_rate = self.tokens / max(now - self.t0, 1e-9)
+                self.phase, self.count, self.tokens, self.t0 = "spec", 0, 0, now
+                lib.dflash_engine_set_draft_len(self.engine, self.draft_len)
+            elif self.count == 1:  # after start (which set the draft length): probe plain steps first
+                self.t0 = now
+                lib.dflash_engine_set_draft_len(self.engine, 0)
+        elif self.phase == "spec":
+            self.tokens += n_tokens
+            self.count += 1
+            if self.count >= self.SPEC_STEPS:
+                rate = self.tokens / max(now - self.t0, 1e-9)
+                self.phase = "decided"
+                if rate < self.plain_rate:
+                    lib.dflash_engine_set_draft_len(self.engine, 0)
+                    self.reason = f"auto: speculative {rate:.0f} tok/s < plain {self.plain_rate:.0f} tok/s"
