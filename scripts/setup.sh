@@ -49,5 +49,5 @@ pip_install "cffi>=1.16" "numpy>=1.24" "gguf>=0.17" "scikit-build-core>=0.10" "l
 pip_install --no-build-isolation --no-deps .
 
 if [ "${1:-}" = "--test" ]; then
-    pip_install "pytest>=7" "torch==2.13.*"
+    pip_install "pytest>=7" "scipy>=1.10" "torch==2.13.*"
 fi
