@@ -272,7 +272,7 @@ static struct ggml_tensor * dyn_conv(const struct dflash_drafter * d, struct ggm
                                      struct ggml_tensor * x, struct ggml_tensor * kern, int side, int64_t B) {
     const struct dflash_drafter_info * hp = &d->hp;
     const int64_t H = hp->n_embd, N = x->ne[1], S = N / B, K = hp->conv_kernel_size;
-    x = ggml_cont(ctx, x);
+    if (!ggml_is_contiguous(x)) x = ggml_cont(ctx, x); // a copy only when the block views need one
     struct ggml_tensor * out = NULL;
     for (int64_t t = 0; t < K && t < B; t++) {
         struct ggml_tensor * kt = ggml_view_2d(ctx, kern, H, N, kern->nb[2], (size_t) (side * K + t) * kern->nb[1]);
@@ -418,7 +418,7 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
             kern_a = conv_kernels(d, ctx, ggml_mul_mat(ctx, L->attn_conv_proj, u), L->attn_conv_base);
             u = dyn_conv(d, ctx, u, kern_a, 0, B);
         }
-        u = ggml_cont(ctx, u);
+        if (!ggml_is_contiguous(u)) u = ggml_cont(ctx, u); // per-sequence column views below
 
         struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
         q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, N);
