@@ -192,7 +192,10 @@ class Llama(llama_cpp.Llama):
             if rc < 0:
                 raise DFlashError(_native.err_str(err))
 
-        ids = list(toks)
+        # prompt + tokens handed out so far (what the stopping criteria see), without per-token copies
+        ids = np.empty(len(toks) + max_tokens, dtype=np.intc)
+        ids[:len(toks)] = toks
+        n_ids = len(toks)
         auto = _AutoSpeculation(self._engine, self.draft_n_max) if self.speculation == "auto" else None
         try:
             for step in engine_steps(self._engine, toks, params, check):
@@ -203,9 +206,10 @@ class Llama(llama_cpp.Llama):
                     # the row that produced it -- only verified tokens, never drafts.
                     if stopping_criteria is not None:
                         row = np.ctypeslib.as_array(lib_logits(self._engine, k), (self._n_vocab,))
-                        if stopping_criteria(np.asarray(ids, dtype=np.intc), row):
+                        if stopping_criteria(ids[:n_ids], row):
                             return
-                    ids.append(t)
+                    ids[n_ids] = t
+                    n_ids += 1
                     yield t
         finally:
             with contextlib.suppress(Exception):
@@ -216,8 +220,9 @@ class Llama(llama_cpp.Llama):
                 chain.close()
             # Tell the base class what the KV cache now holds (everything committed but the last
             # token), so that its own prefix matching and bookkeeping stay true.
-            kept = min(self._engine_kv_len(), len(ids))
-            if kept < self._engine_kv_len():  # the consumer stopped inside a step: drop what it never saw
+            kv_len = self._engine_kv_len()
+            kept = min(kv_len, n_ids)
+            if kept < kv_len:  # the consumer stopped inside a step: drop what it never saw
                 llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
                 lib.dflash_engine_forget(self._engine)
             self.input_ids[:kept] = ids[:kept]
