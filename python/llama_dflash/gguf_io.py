@@ -73,6 +73,10 @@ class DrafterConfig:
     yarn_attn_factor: float = 1.0
     n_vocab: int = 0  # only needed by the PyTorch reference of the DFlash2 selector
 
+    def is_swa(self, il: int) -> bool:
+        """Does layer il use the sliding window (every layer when no pattern is given)?"""
+        return self.sliding_window > 0 and (not self.swa_layers or bool(self.swa_layers[il]))
+
     @property
     def is_v2(self) -> bool:
         return self.selector_top_k > 0

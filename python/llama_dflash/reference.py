@@ -217,7 +217,7 @@ class DFlashReference(nn.Module):
 
     def _mask(self, n_ctx: int, n_block: int, il: int) -> torch.Tensor | None:
         c = self.cfg
-        swa = c.sliding_window > 0 and (not c.swa_layers or c.swa_layers[il])
+        swa = c.is_swa(il)
         if not c.causal and not swa:
             return None
         qp = torch.arange(n_ctx, n_ctx + n_block)[:, None]

@@ -52,7 +52,7 @@ def block_mask(anchors: torch.Tensor, n_ctx: int, block: int, cfg: DrafterConfig
     blk_vis = qblk[:, None] == qblk[None, :]
     kpos = torch.cat([torch.arange(n_ctx), qpos])
     vis = torch.cat([ctx_vis, blk_vis], dim=1)
-    swa = cfg.sliding_window > 0 and (not cfg.swa_layers or cfg.swa_layers[il])
+    swa = cfg.is_swa(il)
     if cfg.causal:
         vis &= torch.cat([torch.ones_like(ctx_vis), kpos[None, n_ctx:] <= qpos[:, None]], dim=1)
     if swa:
@@ -70,9 +70,12 @@ def block_hidden(model: DFlashReference, features: torch.Tensor, tokens: torch.T
     block_tokens[:, 0] = tokens[anchors]
     pos = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)
     h = embed[block_tokens.reshape(-1)] * c.embedding_scale
+    masks: dict[bool, torch.Tensor] = {}  # one mask per layer kind (full / sliding window), not per layer
     for il, layer in enumerate(model.layers):
-        h = layer(h, ctx, torch.arange(features.shape[0]), pos, block_mask(anchors, features.shape[0], B, c, il),
-                  block=B)
+        swa = c.is_swa(il)
+        if swa not in masks:
+            masks[swa] = block_mask(anchors, features.shape[0], B, c, il)
+        h = layer(h, ctx, torch.arange(features.shape[0]), pos, masks[swa], block=B)
     return model.norm(h.view(-1, B, c.n_embd)[:, 1:])
 
 
