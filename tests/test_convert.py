@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 
 from llama_dflash.convert import ConvertError, convert_hf_to_gguf, default_target_layer_ids
 from llama_dflash.convert.safetensors_io import open_checkpoint
@@ -52,6 +53,18 @@ def test_default_tap_formula():
     assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
     assert default_target_layer_ids(30, 1) == [15]
+
+
+def draft_each(model, paths, feats, anchor, n, return_logits=False):
+    """Load each drafter file, push the same features, draft after the same anchor."""
+    outs = []
+    for p in paths:
+        d = Drafter(p, model, n_ctx=128, n_threads=2)
+        d.push(feats)
+        r = d.draft(anchor, n, return_logits=return_logits)
+        outs.append(r[1] if return_logits else r)
+        d.close()
+    return outs
 
 
 def target_tables(path):
@@ -108,17 +121,12 @@ def test_output_types(artifacts, load_model, tmp_path, outtype, tol):
     convert_hf_to_gguf(hf_dir, a["target"], tmp_path / "f32.gguf", outtype="f32")
     res = convert_hf_to_gguf(hf_dir, a["target"], tmp_path / "q.gguf", outtype=outtype)
     assert res["bytes"] < (tmp_path / "f32.gguf").stat().st_size
-    types = {t.name: t.tensor_type.name for t in __import__("gguf").GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(tmp_path / "q.gguf")).tensors}
     assert types["blk.0.attn_norm.weight"] == "F32" and types["output_norm.weight"] == "F32"
     assert types["blk.0.ffn_up.weight"] == outtype.upper()
     model = load_model(a["target"])
     feats = np.random.default_rng(4).standard_normal((30, 192)).astype(np.float32)
-    outs = []
-    for f in ("f32.gguf", "q.gguf"):
-        d = Drafter(tmp_path / f, model, n_ctx=128, n_threads=2)
-        d.push(feats)
-        outs.append(d.draft(50, 7, return_logits=True)[1])
-        d.close()
+    outs = draft_each(model, [tmp_path / "f32.gguf", tmp_path / "q.gguf"], feats, 50, 7, return_logits=True)
     rel = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
     assert rel < tol, rel
 
@@ -286,8 +294,6 @@ def hf_target_dir(tmp_path, n_layer=6, tokenizer_type="BPE"):
 
 
 def test_target_as_hf_directory(artifacts, load_model, tmp_path):
-    from gguf import GGUFReader
-
     a = artifacts["llama"]
     hf, _, _ = make_variant(tmp_path, "v1_toplevel")
     convert_hf_to_gguf(hf, hf_target_dir(tmp_path), tmp_path / "from-hf.gguf", outtype="f32")
@@ -298,12 +304,7 @@ def test_target_as_hf_directory(artifacts, load_model, tmp_path):
         assert r1.fields[key].contents() == r2.fields[key].contents(), key
     model = load_model(a["target"])
     feats = np.random.default_rng(9).standard_normal((10, 192)).astype(np.float32)
-    outs = []
-    for f in ("from-hf.gguf", "from-gguf.gguf"):
-        d = Drafter(tmp_path / f, model, n_ctx=64, n_threads=2)
-        d.push(feats)
-        outs.append(d.draft(33, 5))
-        d.close()
+    outs = draft_each(model, [tmp_path / "from-hf.gguf", tmp_path / "from-gguf.gguf"], feats, 33, 5)
     up = UpstreamDrafter(str(tmp_path / "from-hf.gguf"), model, n_ctx=64)  # loads upstream too
     up.push(feats)
     up.close()
