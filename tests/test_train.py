@@ -40,7 +40,8 @@ def memorised(artifacts, tmp_path_factory):
     after = T.evaluate(model, samples, embed, embed)
     out = tmp_path_factory.mktemp("train") / "memorised.gguf"
     T.export_gguf(model, out, a["target"])
-    return {"samples": samples, "before": before, "after": after, "gguf": out}
+    return {"samples": samples, "before": before, "after": after, "gguf": out, "state": model.state_dict(),
+            "cfg": cfg, "embed": embed}
 
 
 def test_memorised_continuation_is_drafted(artifacts, memorised):
@@ -100,3 +101,83 @@ def test_rejection_accepts_more_than_match_at_t1(tmp_path, capsys):
         print(f"\n[T=1, drafter trained on T=1 samples, n=3, 48 runs] mean tau: match {m:.3f}, rejection {r:.3f}")
     assert m > 1.1  # the drafter does predict
     assert r > m
+
+
+def test_dflash2_stage_trains_the_selector_and_exports_through_the_converter(artifacts, memorised, tmp_path):
+    """The DFlash2 stage (v1 weights, identity convolutions, fresh selector, joint loss) learns the
+    selector; its HF export goes through our converter and the C graph drafts what it learned."""
+    from dataclasses import replace
+
+    from llama_dflash.convert import convert_hf_to_gguf
+    from llama_dflash.train_run import _init_v2_from_v1, export_hf
+
+    a = artifacts["llama"]
+    cfg = replace(memorised["cfg"], conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=4,
+                  n_vocab=1024)
+    model = DFlashReference(cfg)
+    _init_v2_from_v1(model, memorised["state"], seed=0)
+    embed, samples = memorised["embed"], memorised["samples"]
+    src = T._Samples(samples)
+    at_init = T.evaluate_source(model, src, [0], embed, embed)
+    # identity convolutions: the v1 weights give the v1 accuracy before any DFlash2 step, and the
+    # small-init selector is neutral (its walk follows the unary logits)
+    assert at_init["per_slot_accuracy"] == memorised["after"]["per_slot_accuracy"]
+    assert at_init["path_tau"] == at_init["block_tau"] > 6.0
+    sel = model.candidate_selector
+    with torch.no_grad():  # a scrambled selector ruins the walk; training must repair it
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+            p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(3))
+    scrambled = T.evaluate_source(model, src, [0], embed, embed)
+    assert scrambled["path_tau"] < 4.0 < scrambled["block_tau"], scrambled
+    tc = T.TrainConfig(steps=150, lr=3e-3, seqs_per_step=1, anchors_per_seq=16, bf16_head=False)
+    T.Trainer(model, src, [0], embed, embed, tc).run()
+    after = T.evaluate_source(model, src, [0], embed, embed)
+    assert after["topk_recall"] == 1.0 and after["path_tau"] > 6.0, after
+    hf = export_hf(model, {"n_layer": 6, "context_length": 4096}, 1024, tmp_path / "hf")
+    out = tmp_path / "v2.gguf"
+    convert_hf_to_gguf(hf, a["target"], out, outtype="f32")
+    with SpeculativeGenerator(a["target"], out, n_ctx=256) as g:
+        assert g.drafter_info.version == 2
+        toks = g.tokenize(PROMPT)
+        plain = g.generate(toks, 48, draft_len=0, stop_on_eos=False)
+        spec = g.generate(toks, 48, draft_len=7, stop_on_eos=False)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.tau > 5.0, spec.stats
+
+
+def test_selector_loss_forces_a_missing_label_into_the_candidates():
+    """At init the label is rarely in the top-K: the selector loss still has a target (the K-th
+    candidate is overwritten with the label), and recall reports how often it was present."""
+    from models import TargetSpec, drafter_config
+
+    cfg = drafter_config(TargetSpec(), block_size=4, n_ff=64, conv_kernel_size=2, conv_group_size=16,
+                         selector_rank=8, selector_top_k=3, n_vocab=1024)
+    torch.manual_seed(0)
+    model = DFlashReference(cfg)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.05)
+    embed = torch.randn(1024, cfg.n_embd)
+    toks = torch.randint(20, 1000, (40,))
+    r = T.block_losses(model, toks, torch.randn(40, 3 * cfg.n_embd), torch.tensor([5, 17, 30]), embed, embed)
+    assert r["sel_ce"].shape == (3, 3) and torch.isfinite(r["sel_ce"]).all()
+    assert not r["recall"].all()  # some labels were missing and forced in
+    assert not (r["sel_hit"] & ~r["recall"]).any()  # a forced label never counts as a selector hit
+
+
+def test_whitened_features_fold_into_fc_on_export():
+    """Training on standardised features is a reparametrisation: the exported weights (scale
+    folded into fc) compute the same drafter on raw features."""
+    from models import TargetSpec
+
+    cfg = drafter_config(TargetSpec(), block_size=4, n_ff=64)
+    torch.manual_seed(0)
+    feats = torch.randn(30, 3 * cfg.n_embd) * torch.logspace(-1, 3, 3 * cfg.n_embd)  # massive channels
+    model = DFlashReference(cfg)
+    T.whiten_features(model, feats.numpy())
+    assert float(model.feature_scale.max() / model.feature_scale.min()) > 1e3
+    plain = DFlashReference(cfg)
+    plain.load_state_dict(T.exported_state(model))
+    toks, embed, a = torch.randint(20, 1000, (30,)), torch.randn(1024, cfg.n_embd), torch.tensor([4, 12, 20])
+    torch.testing.assert_close(T.block_hidden(model, feats, toks, a, embed),
+                               T.block_hidden(plain, feats, toks, a, embed), rtol=1e-4, atol=1e-4)

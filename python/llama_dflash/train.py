@@ -11,10 +11,12 @@ weights exp(-(k-1)/gamma).  The trained drafter is written as a GGUF drafter dir
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,7 +67,8 @@ def block_hidden(model: DFlashReference, features: torch.Tensor, tokens: torch.T
     """Final-normed slot states [A, B-1, H] of one block per anchor, in one forward."""
     c = model.cfg
     B = c.block_size
-    ctx = model.hidden_norm(model.fc(features))
+    scale = getattr(model, "feature_scale", None)  # training-time reparametrisation, folded into fc on export
+    ctx = model.hidden_norm(model.fc(features if scale is None else features * scale))
     block_tokens = torch.full((anchors.shape[0], B), c.mask_token_id, dtype=torch.long)
     block_tokens[:, 0] = tokens[anchors]
     pos = (anchors[:, None] + torch.arange(B)[None, :]).reshape(-1)
@@ -85,23 +88,66 @@ def slot_weights(block: int, gamma: float | None = None) -> torch.Tensor:
     return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)
 
 
-def loss_and_accuracy(model: DFlashReference, s: Sample, anchors: np.ndarray, embed: torch.Tensor,
-                      head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(model: DFlashReference, z: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """Unary logits in fp32; a bf16 head runs the big matmul in bf16 (AMX on this CPU), fp32 accumulate."""
+    if head.dtype != torch.float32:
+        c = model.cfg
+        logits = (z.to(head.dtype) @ head.T).float() * c.logit_scale
+        return c.softcap * torch.tanh(logits / c.softcap) if c.softcap > 0 else logits
+    return model.logits(z, head)
+
+
+def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                 embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-slot losses and hits of the blocks at `anchors` of one sequence (docs §6.2-6.3, §6.5).
+
+    Unary: cross-entropy of slot k against x_{a+k}.  DFlash2 selector (teacher forced):
+    predecessor = the true previous token, candidates = the slot's top-K with the label
+    forced into the last place when missing, K-way cross-entropy over the edge scores.
+    """
     B = model.cfg.block_size
-    a = torch.as_tensor(anchors, dtype=torch.long)
-    toks = torch.as_tensor(s.tokens)
-    z = block_hidden(model, torch.as_tensor(s.features), toks, a, embed)      # [A, B-1, H]
-    logits = model.logits(z, head)                                              # [A, B-1, V]
-    labels = toks[a[:, None] + torch.arange(1, B)[None, :]]                     # [A, B-1]
+    z = block_hidden(model, features, tokens, anchors, embed)                   # [A, B-1, H]
+    logits = _logits(model, z, head)                                            # [A, B-1, V]
+    labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]             # [A, B-1]
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                            reduction="none").view_as(labels)
-    w = slot_weights(B)
-    loss = (ce * w).sum() / (w.sum() * len(anchors))
-    return loss, (logits.argmax(-1) == labels).float().mean(0)
+    out = {"ce": ce, "hit": logits.detach().argmax(-1) == labels}
+    sel = getattr(model, "candidate_selector", None)
+    if sel is not None:
+        K = sel.top_k
+        cand = logits.detach().topk(K, dim=-1).indices                          # [A, B-1, K]
+        match = cand == labels[..., None]
+        in_top = match.any(-1)
+        cand[..., K - 1] = torch.where(in_top, cand[..., K - 1], labels)
+        target = torch.where(in_top, match.float().argmax(-1), torch.full_like(labels, K - 1))
+        prev = tokens[anchors[:, None] + torch.arange(0, B - 1)[None, :]]       # true predecessors
+        gate = sel.hidden_projection(z)                                         # [A, B-1, r]
+        edge = torch.einsum("asr,asr,askr->ask", sel.predecessor_codebook[prev], gate, sel.successor_codebook[cand])
+        scores = logits.gather(-1, cand) + edge                                 # [A, B-1, K]
+        out["sel_ce"] = torch.nn.functional.cross_entropy(scores.reshape(-1, K), target.reshape(-1),
+                                                          reduction="none").view_as(labels)
+        out["recall"] = in_top
+        out["sel_hit"] = (scores.detach().argmax(-1) == target) & in_top
+    return out
+
+
+def loss_and_accuracy(model: DFlashReference, s: Sample, anchors: np.ndarray, embed: torch.Tensor,
+                      head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted unary loss of one sample's blocks and the per-slot accuracy."""
+    r = block_losses(model, torch.as_tensor(s.tokens), torch.as_tensor(s.features), torch.as_tensor(anchors), embed,
+                     head)
+    w = slot_weights(model.cfg.block_size)
+    return (r["ce"] * w).sum() / (w.sum() * len(anchors)), r["hit"].float().mean(0)
 
 
 def sample_anchors(s: Sample, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    lo, hi = max(s.start - 1, 1), len(s.tokens) - block  # the anchor itself may be the last prompt token
+    return _anchors(len(s.tokens), s.start, block, n, rng)
+
+
+def _anchors(length: int, start: int, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to n distinct sorted anchors whose whole block lies inside the sequence; the anchor may be
+    the last prompt token (its block then predicts the first response tokens)."""
+    lo, hi = max(start - 1, 1), length - block
     if hi < lo:
         return np.zeros(0, np.int64)
     return np.sort(rng.choice(np.arange(lo, hi + 1), size=min(n, hi - lo + 1), replace=False))
@@ -112,45 +158,240 @@ def implied_tau(acc: torch.Tensor) -> float:
     return 1.0 + float(torch.cumprod(acc, 0).sum())
 
 
+def _block_tau(hit: torch.Tensor) -> float:
+    """Mean accepted length per block, greedy: 1 + the leading run of correct slots."""
+    return 1.0 + float(torch.cumprod(hit.float(), 1).sum(1).mean()) if len(hit) else 1.0
+
+
+class _Samples:
+    """In-memory samples as a sequence source."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        s = self.samples[i]
+        return s.tokens, s.features, s.start
+
+
+@dataclass
+class TrainConfig:
+    steps: int
+    lr: float = 1e-3
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    alpha_sel: float = 1.0       # weight of the DFlash2 selector loss
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every: int = 0          # steps between held-out evaluations (0 = only at the end)
+    ckpt_every: int = 0          # steps between checkpoints (0 = only at the end)
+    bf16_head: bool = True
+
+
+class Trainer:
+    """AdamW, warm-up + cosine decay, grad clip 1.0; the target's embedding and head stay frozen.
+
+    ``checkpoint`` (a path) makes the run resumable: model, optimiser, schedule, step and
+    random states are saved atomically every ``ckpt_every`` steps and loaded on start.
+    """
+
+    def __init__(self, model: DFlashReference, source, train_ids: Sequence[int], embed: torch.Tensor,
+                 head: torch.Tensor, tc: TrainConfig, checkpoint: str | os.PathLike | None = None,
+                 val_ids: Sequence[int] = (), log=None) -> None:
+        self.model, self.source, self.tc = model, source, tc
+        self.train_ids, self.val_ids = list(train_ids), list(val_ids)
+        self.embed = embed
+        self.head = head.to(torch.bfloat16) if tc.bf16_head else head
+        self.ckpt = Path(checkpoint) if checkpoint else None
+        self.log = log or (lambda _msg: None)
+        torch.manual_seed(tc.seed)
+        self.rng = np.random.default_rng(tc.seed)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        warm = max(1, int(tc.steps * tc.warmup))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, tc.steps) / tc.steps)))
+        self.step = 0
+        self.history: list[dict] = []
+        self.order: list[int] = []
+        if self.ckpt and self.ckpt.is_file():
+            self._load()
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                "step": self.step, "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+                "history": self.history, "order": self.order, "tc": self.tc.__dict__}
+
+    def save(self) -> None:
+        if not self.ckpt:
+            return
+        tmp = self.ckpt.with_name(self.ckpt.name + ".tmp")
+        torch.save(self._state(), tmp)
+        tmp.replace(self.ckpt)
+
+    def _load(self) -> None:
+        st = torch.load(self.ckpt, weights_only=False)
+        if st["tc"].get("steps") != self.tc.steps:
+            raise ValueError(f"{self.ckpt}: checkpoint of a {st['tc'].get('steps')}-step run, this run has "
+                             f"{self.tc.steps} steps (use another output directory)")
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.step, self.history, self.order = st["step"], st["history"], st["order"]
+        self.rng.bit_generator.state = st["rng"]
+        torch.set_rng_state(st["torch_rng"])
+        self.log(f"resumed from {self.ckpt} at step {self.step}")
+
+    # -- steps ---------------------------------------------------------------
+
+    def _next_ids(self) -> list[int]:
+        out = []
+        while len(out) < self.tc.seqs_per_step:
+            if not self.order:
+                self.order = [int(i) for i in self.rng.permutation(self.train_ids)]
+            out.append(self.order.pop())
+        return out
+
+    def train_step(self) -> dict:
+        B = self.model.cfg.block_size
+        w = slot_weights(B)
+        total = None
+        hits, sel_hits, recall, n_blocks = [], [], [], 0
+        for i in self._next_ids():
+            toks, feats, start = self.source.sequence(i)
+            a = _anchors(len(toks), start, B, self.tc.anchors_per_seq, self.rng)
+            if len(a) == 0:
+                continue
+            r = block_losses(self.model, torch.as_tensor(np.asarray(toks, np.int64)),
+                             torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), self.embed, self.head)
+            loss = (r["ce"] * w).sum()
+            if "sel_ce" in r:
+                loss = loss + self.tc.alpha_sel * (r["sel_ce"] * w).sum()
+                sel_hits.append(r["sel_hit"])
+                recall.append(r["recall"])
+            total = loss if total is None else total + loss
+            hits.append(r["hit"])
+            n_blocks += len(a)
+        self.step += 1
+        if total is None:
+            return {}
+        total = total / (w.sum() * n_blocks)
+        self.opt.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        hit = torch.cat(hits)
+        m = {"loss": float(total.detach()), "acc": hit.float().mean(0), "block_tau": _block_tau(hit)}
+        if sel_hits:
+            sh = torch.cat(sel_hits)
+            m.update(sel_acc=sh.float().mean(0), path_tau=_block_tau(sh), recall=torch.cat(recall).float().mean())
+        return m
+
+    def run(self, progress=None) -> list[dict]:
+        tc = self.tc
+        while self.step < tc.steps:
+            m = self.train_step()
+            if progress and m:
+                extra = f"loss {m['loss']:.3f} tau(blk) {m['block_tau']:.2f}"
+                if "path_tau" in m:
+                    extra += f" tau(path) {m['path_tau']:.2f}"
+                progress.update(1, extra)
+            last = self.step == tc.steps
+            if self.val_ids and ((tc.eval_every and self.step % tc.eval_every == 0) or last):
+                ev = evaluate_source(self.model, self.source, self.val_ids, self.embed, self.head)
+                ev["step"] = self.step
+                self.history.append(ev)
+                self.log(f"step {self.step}: held-out " + json.dumps(ev))
+            if (tc.ckpt_every and self.step % tc.ckpt_every == 0) or last:
+                self.save()
+        return self.history
+
+
 def train(model: DFlashReference, samples: list[Sample], embed: torch.Tensor, head: torch.Tensor, steps: int,
           lr: float = 3e-3, anchors_per_sample: int = 16, seed: int = 0, log_every: int = 0) -> list[dict]:
-    """AdamW with warm-up and cosine decay, grad clip 1.0; embedding and head stay frozen."""
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 25)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    """Train on in-memory samples, one sample per step (fp32 head: small test targets)."""
+    tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=1, anchors_per_seq=anchors_per_sample, seed=seed,
+                     bf16_head=False)
+    t = Trainer(model, _Samples(samples), range(len(samples)), embed, head, tc)
     log = []
-    for step in range(steps):
-        s = samples[step % len(samples)]
-        a = sample_anchors(s, model.cfg.block_size, anchors_per_sample, rng)
+    while t.step < steps:
+        m = t.train_step()
+        if log_every and m and t.step % log_every == 0:
+            log.append({"step": t.step, "loss": m["loss"], "acc": [round(float(x), 3) for x in m["acc"]],
+                        "implied_tau": implied_tau(m["acc"])})
+    return log
+
+
+@torch.no_grad()
+def evaluate_source(model: DFlashReference, source, ids: Sequence[int], embed: torch.Tensor, head: torch.Tensor,
+                    anchors_per_seq: int = 32, seed: int = 1) -> dict:
+    """Held-out metrics: per-slot accuracy, implied tau (from the per-slot means), block tau (mean
+    leading run, what greedy verification accepts on these data) and, for DFlash2, top-K recall,
+    teacher-forced selector accuracy per slot and the self-conditioned path tau (the greedy walk
+    follows its own choices; up to the first miss they equal the teacher-forced ones)."""
+    rng = np.random.default_rng(seed)
+    B = model.cfg.block_size
+    hits, sel, rec = [], [], []
+    for i in ids:
+        toks, feats, start = source.sequence(i)
+        a = _anchors(len(toks), start, B, anchors_per_seq, rng)
         if len(a) == 0:
             continue
-        loss, acc = loss_and_accuracy(model, s, a, embed, head)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log_every and (step + 1) % log_every == 0:
-            log.append({"step": step + 1, "loss": float(loss.detach()), "acc": [round(float(x), 3) for x in acc],
-                        "implied_tau": implied_tau(acc.detach())})
-    return log
+        r = block_losses(model, torch.as_tensor(np.asarray(toks, np.int64)),
+                         torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head)
+        hits.append(r["hit"])
+        if "sel_hit" in r:
+            sel.append(r["sel_hit"])
+            rec.append(r["recall"])
+    if not hits:
+        return {}
+    hit = torch.cat(hits)
+    acc = hit.float().mean(0)
+    out = {"per_slot_accuracy": [round(float(x), 3) for x in acc], "implied_tau": round(implied_tau(acc), 3),
+           "block_tau": round(_block_tau(hit), 3), "blocks": len(hit)}
+    if sel:
+        sh = torch.cat(sel)
+        out.update(selector_accuracy=[round(float(x), 3) for x in sh.float().mean(0)],
+                   path_tau=round(_block_tau(sh), 3), topk_recall=round(float(torch.cat(rec).float().mean()), 3))
+    return out
 
 
 @torch.no_grad()
 def evaluate(model: DFlashReference, samples: list[Sample], embed: torch.Tensor, head: torch.Tensor,
              seed: int = 1) -> dict:
-    rng = np.random.default_rng(seed)
-    accs = [loss_and_accuracy(model, s, a, embed, head)[1] for s in samples
-            if len(a := sample_anchors(s, model.cfg.block_size, 32, rng))]
-    acc = torch.stack(accs).mean(0)
-    return {"per_slot_accuracy": [round(float(x), 3) for x in acc], "implied_tau": implied_tau(acc)}
+    return evaluate_source(model, _Samples(samples), range(len(samples)), embed, head, seed=seed)
+
+
+def whiten_features(model: DFlashReference, features: np.ndarray, floor: float = 1e-2) -> torch.Tensor:
+    """Train fc on per-dimension standardised features (x / std).
+
+    Target hidden states carry a few massive activations (SmolLM2: one channel with std ~1750
+    where the median is ~5); with plain features the fused context is that channel's direction
+    whatever the position, and Adam's per-step jitter on its fc weights keeps it so.  The scale
+    is a fixed buffer and is folded into fc.weight by ``exported_state``, so the drafter's
+    architecture and files are unchanged."""
+    std = torch.as_tensor(np.asarray(features, np.float32).std(0)).clamp_min(floor)
+    model.register_buffer("feature_scale", 1.0 / std)
+    return model.feature_scale
+
+
+def exported_state(model: DFlashReference) -> dict[str, torch.Tensor]:
+    """The parameters as the published format holds them (feature scale folded into fc)."""
+    st = {k: v.detach().float() for k, v in model.state_dict().items()}
+    scale = st.pop("feature_scale", None)
+    if scale is not None:
+        st["fc.weight"] = st["fc.weight"] * scale[None, :]
+    return st
 
 
 def export_gguf(model: DFlashReference, path: str | os.PathLike, target_gguf: str | os.PathLike,
                 outtype: str = "f32") -> None:
     """Write the trained drafter in upstream's GGUF layout (names through the converter's map)."""
-    tensors = {gguf_name(k): v.detach().float().numpy() for k, v in model.state_dict().items()}
+    tensors = {gguf_name(k): v.numpy() for k, v in exported_state(model).items()}
     write_drafter(path, model.cfg, tensors, target_gguf, outtype=outtype)

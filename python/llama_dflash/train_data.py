@@ -1,0 +1,206 @@
+"""Training data on disk: the target's responses and their captured features.
+
+Layout of a data directory (every stage resumable: finished work is skipped):
+
+- ``responses.jsonl`` — one line per finished generation (prompt key, source,
+  temperature, prompt ids, response ids), appended as sequences finish.
+- ``tokens.npy`` / ``index.npy`` — all sequences' ids concatenated (int32) and, per
+  sequence, [token offset, length, response start, temperature * 1000, held out].
+- ``features.f16`` — fp16 rows [n_tokens, n_taps * n_embd] from the package's C capture.
+
+Features are stored rather than recomputed: the 2 cores that train would otherwise
+also run a target forward per step, and fp16 rows cost 5.8 KB per token for 5 taps of
+576 (≈ 2 GB for the shipped run), which this machine's disk holds easily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .batchgen import BatchGenerator, Job
+from .prompts import Prompt, chatml
+
+
+@dataclass
+class DataSpec:
+    target: str
+    taps: list[int]                 # HF layer ids (ZL convention)
+    max_new: int = 192
+    max_prompt: int = 320
+    sampled_every: int = 4          # every k-th prompt also gets a sampled response
+    temperature: float = 0.7
+    n_seq: int = 8                  # sequences per decode
+    held_out: float = 0.03          # fraction of prompts kept for validation
+    max_sequences: int = 0          # features (and training) for at most this many sequences (0 = all)
+    seed: int = 0
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain text when not a terminal)."""
+
+    def __init__(self, total: int, label: str, every_s: float = 2.0, done: int = 0) -> None:
+        self.total, self.label, self.every = total, label, every_s
+        self.t0 = self.last = time.time()
+        self.done = self.start = done  # a resumed run: the rate counts this run's work only
+
+    def update(self, n: int = 1, extra: str = "") -> None:
+        self.done += n
+        now = time.time()
+        if now - self.last < self.every and self.done < self.total:
+            return
+        self.last = now
+        frac = self.done / max(1, self.total)
+        el = now - self.t0
+        rate = (self.done - self.start) / el if el > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0
+        bar = "#" * int(24 * frac)
+        end = "\r" if sys.stderr.isatty() and self.done < self.total else "\n"
+        sys.stderr.write(f"{self.label} [{bar:<24}] {self.done}/{self.total} {el:.0f}s eta {eta:.0f}s {extra}{end}")
+        sys.stderr.flush()
+
+
+def _tokenizer(target: str):
+    import llama_cpp
+
+    return llama_cpp.Llama(target, vocab_only=True, verbose=False)
+
+
+def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log=print) -> Path:
+    """Stage 1: the target's greedy (and some sampled) responses, batched; appends to responses.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "responses.jsonl"
+    done = set()
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interrupted run
+                    continue
+                done.add((r["key"], r["temperature"]))
+    tok = _tokenizer(spec.target)
+    jobs, meta = [], {}
+    for i, p in enumerate(prompts):
+        ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
+        if len(ids) > spec.max_prompt:
+            continue
+        temps = [0.0] + ([spec.temperature] if spec.sampled_every and i % spec.sampled_every == 0 else [])
+        for t in temps:
+            if (p.key, t) in done:
+                continue
+            j = len(meta)
+            meta[j] = p
+            jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i))
+    if not jobs:
+        return path
+    log(f"generating {len(jobs)} responses ({len(done)} already done), {spec.n_seq} sequences per decode")
+    bar = Progress(len(jobs), "generate")
+    n_tok = 0
+    with BatchGenerator(spec.target, n_seq=spec.n_seq, max_len=spec.max_prompt + spec.max_new) as g, \
+            open(path, "a", encoding="utf-8") as f:
+        for c in g.run(jobs, spec.max_new):
+            p = meta[c.key]
+            f.write(json.dumps({"key": p.key, "source": p.source, "temperature": c.temperature,
+                                "prompt": c.prompt, "response": c.response}) + "\n")
+            f.flush()
+            n_tok += len(c.response)
+            bar.update(1, f"{n_tok / max(1e-9, time.time() - bar.t0):.0f} tok/s")
+    return path
+
+
+def _held_out(key: str, frac: float) -> bool:
+    return (zlib.crc32(key.encode()) % 10_000) < frac * 10_000
+
+
+def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=print) -> None:
+    """Stage 2: pack the responses (of prompts in `keys`, default all) and capture their features
+    with the C capture (fp16 on disk)."""
+    from .engine import SpeculativeGenerator
+
+    recs, seen = [], set()
+    with open(out / "responses.jsonl", encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if (keys is None or r["key"] in keys) and (r["key"], r["temperature"]) not in seen:
+                seen.add((r["key"], r["temperature"]))
+                recs.append(r)
+    # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
+    recs.sort(key=lambda r: (zlib.crc32(f"{r['key']}|{r['temperature']}".encode()), r["key"], r["temperature"]))
+    if spec.max_sequences:
+        recs = recs[: spec.max_sequences]
+    lengths = [len(r["prompt"]) + len(r["response"]) for r in recs]
+    offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = np.array([[offs[i], lengths[i], len(r["prompt"]), round(r["temperature"] * 1000),
+                       _held_out(r["key"], spec.held_out)] for i, r in enumerate(recs)], np.int64).reshape(-1, 5)
+    tokens = np.concatenate([np.asarray(r["prompt"] + r["response"], np.int32) for r in recs]) if recs else \
+        np.zeros(0, np.int32)
+    state_path = out / "features.done"
+    n_done = int(state_path.read_text()) if state_path.is_file() else 0
+    if (out / "index.npy").is_file():
+        old = np.load(out / "index.npy")
+        if old.shape != index.shape or not np.array_equal(old, index):
+            n_done = 0  # the responses changed: start the features over
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "index.npy", index)
+    with SpeculativeGenerator(spec.target, capture_layers=spec.taps, n_ctx=max(lengths, default=1) + 8,
+                              n_batch=512) as g:
+        width = len(spec.taps) * g_embd(g)
+        mode = "r+" if (out / "features.f16").is_file() and n_done else "w+"
+        feats = np.memmap(out / "features.f16", np.float16, mode, shape=(max(1, len(tokens)), width))
+        bar = Progress(len(recs) - n_done, "features")
+        for i in range(n_done, len(recs)):
+            o, n = int(index[i, 0]), int(index[i, 1])
+            feats[o:o + n] = g.features(tokens[o:o + n].tolist()).astype(np.float16)
+            if (i + 1) % 50 == 0 or i + 1 == len(recs):
+                feats.flush()
+                state_path.write_text(str(i + 1))
+            bar.update(1)
+        feats.flush()
+        del feats
+    state_path.write_text(str(len(recs)))
+    log(f"features: {len(recs)} sequences, {len(tokens)} tokens, {width} values per token (fp16)")
+
+
+def g_embd(g) -> int:
+    import llama_cpp
+
+    return llama_cpp.llama_model_n_embd(g._model)
+
+
+class Dataset:
+    """Read-only view of a data directory (memory-mapped features)."""
+
+    def __init__(self, out: str | os.PathLike) -> None:
+        out = Path(out)
+        self.tokens = np.load(out / "tokens.npy")
+        self.index = np.load(out / "index.npy")
+        n = len(self.tokens)
+        size = (out / "features.f16").stat().st_size
+        self.width = size // (2 * max(1, n))
+        self.features = np.memmap(out / "features.f16", np.float16, "r", shape=(max(1, n), self.width))
+        self.train_ids = [i for i in range(len(self.index)) if not self.index[i, 4]]
+        self.val_ids = [i for i in range(len(self.index)) if self.index[i, 4]]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(token ids [L], fp16 features [L, width], response start)."""
+        o, n, start = (int(x) for x in self.index[i, :3])
+        return self.tokens[o:o + n], self.features[o:o + n], start
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)

@@ -1,0 +1,234 @@
+"""`llama-dflash train`: the whole drafter recipe as one resumable run (docs §6.6).
+
+Stages, each skipped when its output exists (so an interrupted run picks up where it
+stopped): data (the target's responses, batched) -> features (C capture, fp16 on disk)
+-> DFlash v1 training -> DFlash2 training (v1 weights, identity convolutions, fresh
+selector, joint unary + selector loss) -> HF export (config.json + model.safetensors,
+the z-lab layout) -> GGUF through the converter (the path downloaded drafters take).
+``summary.json`` records data sizes, wall times and held-out metrics of every stage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .convert.hf import convert_hf_to_gguf, default_target_layer_ids, read_target
+from .convert.safetensors_io import write_safetensors
+from .gguf_io import DrafterConfig, read_tensors
+from .prompts import training_prompts
+from .reference import DFlashReference
+from .train import TrainConfig, Trainer, exported_state, whiten_features
+from .train_data import Dataset, DataSpec, Progress, build_features, generate_responses
+
+
+@dataclass
+class RunSpec:
+    target: str
+    prompts: int = 1500                 # training prompts (0 = all)
+    max_new: int = 192
+    n_seq: int = 8
+    max_sequences: int = 900            # use at most this many generated sequences (0 = all): feature capture
+                                        # is a second target pass over the data, as slow as generating it
+    taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
+    n_layer: int = 2
+    block_size: int = 8
+    mask_token_id: int = 16             # SmolLM2's <empty_output>: a special token the target never emits
+    n_ff: int | None = None             # default: the target's
+    v1_steps: int = 1100
+    v2_steps: int = 300
+    v1_lr: float = 1e-3
+    v2_lr: float = 5e-4
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    selector_rank: int = 64
+    selector_top_k: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    eval_every: int = 250
+    ckpt_every: int = 50
+    outtype: str = "q8_0"
+    whiten_features: bool = True        # train fc on standardised features (folded into fc on export)
+    seed: int = 0
+
+    @classmethod
+    def smoke(cls, target: str) -> RunSpec:
+        """Tiny data and a few steps, end to end through export and conversion (tests)."""
+        return cls(target=target, prompts=6, max_sequences=0, max_new=24, n_seq=4, v1_steps=6, v2_steps=6,
+                   seqs_per_step=2, anchors_per_seq=8, eval_every=3, ckpt_every=2, selector_rank=16,
+                   selector_top_k=4, outtype="f16")
+
+
+def _target_config(target: str) -> dict:
+    from gguf import GGUFReader
+
+    r = GGUFReader(target)
+    arch = r.fields["general.architecture"].contents()
+
+    def get(k, default=None):
+        f = r.fields.get(f"{arch}.{k}")
+        return f.contents() if f is not None else default
+
+    n_head = int(get("attention.head_count"))
+    n_embd = int(get("embedding_length"))
+    return {"arch": arch, "n_embd": n_embd, "n_layer": int(get("block_count")), "n_head": n_head,
+            "n_head_kv": int(get("attention.head_count_kv", n_head)),
+            "head_dim": int(get("attention.key_length", n_embd // n_head)), "n_ff": int(get("feed_forward_length")),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "rms_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "context_length": int(get("context_length", 8192))}
+
+
+def drafter_config(spec: RunSpec, version: int) -> tuple[DrafterConfig, dict]:
+    t = _target_config(spec.target)
+    if max(spec.taps) >= t["n_layer"]:
+        raise ValueError(f"tap {max(spec.taps)} is past the target's {t['n_layer']} layers")
+    cfg = DrafterConfig(n_embd=t["n_embd"], n_layer=spec.n_layer, n_head=t["n_head"], n_head_kv=t["n_head_kv"],
+                        head_dim=t["head_dim"], n_ff=spec.n_ff or t["n_ff"], target_layer_ids=list(spec.taps),
+                        block_size=spec.block_size, mask_token_id=spec.mask_token_id, rope_theta=t["rope_theta"],
+                        rms_eps=t["rms_eps"], context_length=t["context_length"])
+    if version == 2:
+        cfg.conv_kernel_size, cfg.conv_group_size = spec.conv_kernel_size, spec.conv_group_size
+        cfg.selector_rank, cfg.selector_top_k = spec.selector_rank, spec.selector_top_k
+        cfg.n_vocab = read_target(spec.target).n_vocab
+    return cfg, t
+
+
+def hf_config(cfg: DrafterConfig, t: dict, n_vocab: int) -> dict:
+    """config.json in the z-lab schema (dflash_config nested, as the June 2026 revisions write it)."""
+    dc = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}
+    if cfg.is_v2:
+        dc.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                  selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return {"architectures": ["DFlash2DraftModel" if cfg.is_v2 else "DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+            "num_key_value_heads": cfg.n_head_kv, "head_dim": cfg.head_dim, "intermediate_size": cfg.n_ff,
+            "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_eps, "vocab_size": n_vocab,
+            "num_target_layers": t["n_layer"], "max_position_embeddings": t["context_length"],
+            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "is_causal": cfg.causal,
+            "tie_word_embeddings": True, "dtype": "float32", "dflash_config": dc}
+
+
+def export_hf(model: DFlashReference, t: dict, n_vocab: int, out: Path) -> Path:
+    """The trained drafter as a HF checkpoint directory (config.json + model.safetensors, f32)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, t, n_vocab), indent=1))
+    write_safetensors(out / "model.safetensors", {k: v.numpy() for k, v in exported_state(model).items()}, "F32")
+    return out
+
+
+def _feature_sample(ds: Dataset, n_seq: int = 64) -> np.ndarray:
+    """Feature rows of up to n_seq training sequences spread over the set (for the per-dimension std)."""
+    ids = ds.train_ids[:: max(1, len(ds.train_ids) // n_seq)][:n_seq]
+    return np.concatenate([np.asarray(ds.sequence(i)[1], np.float32) for i in ids])
+
+
+def _init_v1(model: DFlashReference, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() > 1:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _init_v2_from_v1(v2: DFlashReference, v1_state: dict, seed: int) -> None:
+    missing, unexpected = v2.load_state_dict(v1_state, strict=False)
+    assert not unexpected, unexpected
+    g = torch.Generator().manual_seed(seed + 1)
+    sel = v2.candidate_selector
+    with torch.no_grad():  # convolutions keep their identity init; the selector starts at N(0, 0.02)
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def run(out: str | Path, spec: RunSpec, log=None) -> dict:
+    """Run (or resume) the whole recipe into directory `out`; returns the summary."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.taps is None:
+        spec.taps = default_target_layer_ids(_target_config(spec.target)["n_layer"], 5)
+    logf = open(out / "train.log", "a", encoding="utf-8")
+
+    def say(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        logf.write(line + "\n")
+        logf.flush()
+        (log or (lambda m: print(m, file=sys.stderr)))(line)
+
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if summary.get("spec", asdict(spec)) != asdict(spec):
+        raise ValueError(f"{out} holds a run with other settings (see {summary_path}); use another directory")
+    summary["spec"] = asdict(spec)
+    walls = summary.setdefault("wall_s", {})
+
+    def stage(name: str, fn):
+        t0 = time.time()
+        r = fn()
+        walls[name] = round(walls.get(name, 0.0) + time.time() - t0, 1)
+        summary_path.write_text(json.dumps(summary, indent=1))
+        return r
+
+    data_dir = out / "data"
+    dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
+                     max_sequences=spec.max_sequences)
+    prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None)
+    stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say))  # both resume / no-op when done
+    stage("features", lambda: build_features(data_dir, dspec, {p.key for p in prompts}, log=say))
+    ds = Dataset(data_dir)
+    resp = int(sum(ds.index[:, 1] - ds.index[:, 2]))
+    summary["data"] = {"sequences": len(ds), "tokens": ds.n_tokens, "response_tokens": resp,
+                       "train_sequences": len(ds.train_ids), "held_out_sequences": len(ds.val_ids),
+                       "sampled_sequences": int((ds.index[:, 3] > 0).sum()),
+                       "features_bytes": ds.n_tokens * ds.width * 2,
+                       "prompt_sources": sorted({p.source for p in prompts})}
+    say(f"data: {summary['data']}")
+
+    n_vocab = read_target(spec.target).n_vocab
+    t = read_tensors(spec.target, ["token_embd.weight", "output.weight"])
+    embed = torch.from_numpy(t["token_embd.weight"])
+    head = torch.from_numpy(t["output.weight"]) if "output.weight" in t else embed
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    results = summary.setdefault("held_out", {})
+    states = {}
+    for version, steps, lr in ((1, spec.v1_steps, spec.v1_lr), (2, spec.v2_steps, spec.v2_lr)):
+        cfg, tinfo = drafter_config(spec, version)
+        model = DFlashReference(cfg)
+        if spec.whiten_features:
+            whiten_features(model, _feature_sample(ds))
+        if version == 1:
+            _init_v1(model, spec.seed)
+        else:
+            _init_v2_from_v1(model, states[1], spec.seed)
+        tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=spec.seqs_per_step, anchors_per_seq=spec.anchors_per_seq,
+                         seed=spec.seed + version, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
+        tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-v{version}.pt",
+                     val_ids=ds.val_ids or ds.train_ids[:8], log=say)
+        if tr.step < steps:
+            say(f"training DFlash{'2' if version == 2 else ' v1'}: {sum(p.numel() for p in model.parameters())} "
+                f"parameters, {steps} steps x {spec.seqs_per_step} sequences x {spec.anchors_per_seq} anchors")
+            bar = Progress(steps, f"v{version}", done=tr.step)
+            stage(f"v{version}", lambda tr=tr, bar=bar: tr.run(bar))
+        results[f"v{version}"] = tr.history
+        states[version] = {k: v.clone() for k, v in model.state_dict().items()}
+        summary_path.write_text(json.dumps(summary, indent=1))
+
+    hf_dir = stage("export", lambda: export_hf(model, tinfo, n_vocab, out / "hf"))
+    gguf = out / "drafter.gguf"
+    conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, gguf, outtype=spec.outtype))
+    summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype}
+    summary_path.write_text(json.dumps(summary, indent=1))
+    say(f"done: {gguf} ({conv['bytes'] / 2**20:.1f} MiB); wall times {walls}")
+    logf.close()
+    return summary
+
+
+def summary_of(out: str | Path) -> dict:
+    return json.loads((Path(out) / "summary.json").read_text())

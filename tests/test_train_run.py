@@ -1,0 +1,138 @@
+"""The training pipeline end to end (smoke mode), its resumability, batched data generation
+and the held-out HumanEval set."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from llama_dflash import SpeculativeGenerator
+from llama_dflash import train as T
+from llama_dflash.batchgen import BatchGenerator, Job
+from llama_dflash.cli import main
+from llama_dflash.prompts import (
+    _held_out_markers,
+    chatml,
+    humaneval_problems,
+    humaneval_prompts,
+    overlaps_humaneval,
+    training_prompts,
+)
+from llama_dflash.reference import DFlashReference
+
+from models import drafter_config
+
+
+def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
+    """`llama-dflash train --smoke`: data -> features -> v1 -> DFlash2 -> HF -> GGUF, then the
+    GGUF drafts with our loop (greedy output identical to plain); a second call resumes (no-op)."""
+    target = artifacts["llama"]["target"]
+    out = tmp_path / "run"
+    t0 = time.time()
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--json"]) == 0
+    wall = time.time() - t0
+    s = json.loads(capsys.readouterr().out)
+    with capsys.disabled():
+        print(f"\n[train --smoke] {wall:.1f} s end to end; stages {s['wall_s']}")
+    assert s["data"]["sequences"] == 8 and s["data"]["sampled_sequences"] == 2  # 6 prompts + every 4th sampled
+    assert set(s["data"]["prompt_sources"]) <= {"stdlib-code", "authored-code", "authored-general"}
+    for v in ("v1", "v2"):
+        assert [h["step"] for h in s["held_out"][v]] == [3, 6]
+        assert len(s["held_out"][v][-1]["per_slot_accuracy"]) == 7
+    assert "selector_accuracy" in s["held_out"]["v2"][-1] and "path_tau" in s["held_out"]["v2"][-1]
+    cfg = json.loads((out / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 8
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "ckpt-v2.pt").is_file()
+    with SpeculativeGenerator(target, out / "drafter.gguf", n_ctx=256) as g:
+        assert g.drafter_info.version == 2 and g.drafter_info.block_size == 8
+        toks = g.tokenize(chatml("Write a Python function that reverses a list."))
+        plain = g.generate(toks, 24, draft_len=0, stop_on_eos=False)
+        spec = g.generate(toks, 24, draft_len=7, stop_on_eos=False)
+    assert spec.tokens == plain.tokens
+    # everything is done: a second call resumes every stage and trains nothing
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--json"]) == 0
+    s2 = json.loads(capsys.readouterr().out)
+    assert s2["held_out"] == s["held_out"] and s2["data"] == s["data"]
+    assert "resumed from" in (out / "train.log").read_text()
+    # other settings in the same directory are refused, in one line
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--v1-steps", "9"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_train_cli_errors(tmp_path, capsys):
+    assert main(["train", "--smoke", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
+
+
+def test_interrupted_training_resumes_to_the_same_weights(artifacts, tmp_path):
+    """A run stopped after a checkpoint and restarted ends with exactly the weights of an
+    uninterrupted run (model, optimiser, schedule, data order and random states restored)."""
+    spec = artifacts["llama"]["spec"]
+    cfg = drafter_config(spec, block_size=4, n_ff=64)
+    rng = np.random.default_rng(0)
+    samples = [T.Sample(rng.integers(20, 1000, 60), rng.standard_normal((60, 3 * 64)).astype(np.float32), 10)
+               for _ in range(5)]
+    embed = torch.randn(1024, 64)
+
+    def fresh():
+        torch.manual_seed(0)
+        return DFlashReference(cfg)
+
+    tc = T.TrainConfig(steps=8, lr=1e-3, seqs_per_step=2, anchors_per_seq=4, ckpt_every=3, bf16_head=False)
+    full = fresh()
+    T.Trainer(full, T._Samples(samples), range(5), embed, embed, tc).run()
+
+    ck = tmp_path / "ck.pt"
+    part = fresh()
+    t = T.Trainer(part, T._Samples(samples), range(5), embed, embed, tc, checkpoint=ck)
+    for _ in range(3):  # "killed" right after the step-3 checkpoint
+        t.train_step()
+    t.save()
+    t.train_step()  # work after the checkpoint is lost
+    resumed = fresh()
+    t2 = T.Trainer(resumed, T._Samples(samples), range(5), embed, embed, tc, checkpoint=ck)
+    assert t2.step == 3
+    t2.run()
+    for (n, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="checkpoint of a 8-step run"):
+        T.Trainer(fresh(), T._Samples(samples), range(5), embed, embed, T.TrainConfig(steps=9), checkpoint=ck)
+
+
+def test_batched_generation_matches_single_sequence_decoding(artifacts):
+    """Continuous batching (8 requests through 3 slots, prompts of different lengths) gives each
+    sequence the greedy output of plain one-sequence decoding; sampled rows follow their seed."""
+    target = artifacts["llama"]["target"]
+    prompts = [[1, 20 + i, 300 + 7 * i, 45][: 2 + i % 3] for i in range(8)]
+    with BatchGenerator(target, n_seq=3, max_len=64) as bg:
+        outs = {c.key: c.response for c in bg.run([Job(i, p) for i, p in enumerate(prompts)], 20)}
+        alone = [c.response for c in bg.run([Job(0, prompts[0], 1.0, seed=5)], 20)][0]
+        both = {c.key: c.response for c in bg.run([Job(0, prompts[0], 1.0, seed=5), Job(1, prompts[1], 1.0, seed=6)],
+                                                  20)}
+        eog = [bg.is_eog(t) for t in range(1024)]
+    assert both[0] == alone  # a sampled row depends on its seed only, not on its batch mates
+    with SpeculativeGenerator(target, n_ctx=128) as g:
+        for i, p in enumerate(prompts):
+            want = g.generate(p, 20, draft_len=0, stop_on_eos=False).tokens
+            got = outs[i]
+            assert got == want[: len(got)], i
+            assert len(got) == 20 or eog[got[-1]]
+    with BatchGenerator(target, n_seq=2, max_len=16) as bg, pytest.raises(ValueError, match="exceed the slot"):
+        list(bg.run([Job(0, list(range(20, 30)))], 10))
+
+
+def test_training_prompts_hold_out_humaneval():
+    problems = humaneval_problems()
+    assert len(problems) == 164 and len(humaneval_prompts()) == 164
+    names, lines = _held_out_markers()
+    train = training_prompts()
+    assert len(train) > 2000 and len({p.text for p in train}) == len(train)
+    assert not any(overlaps_humaneval(p.text, names, lines) for p in train)
+    # the check would catch HumanEval text itself
+    assert all(overlaps_humaneval(p["prompt"], names, lines) for p in problems)
+    assert {p.source for p in train} == {"stdlib-code", "authored-code", "authored-general"}
