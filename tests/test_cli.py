@@ -102,3 +102,16 @@ def test_demo_runs(tmp_path):
     assert out["plain"]["stats"]["drafted"] == 0 and out["speculative"]["stats"]["drafted"] > 0
     assert len(out["speculative"]["tokens"]) == 12 and isinstance(out["identical"], bool)
     assert out["divergence"]["identical"] == out["identical"]
+
+
+def test_chat_streams_two_turns_with_stats(artifacts):
+    """`llama-dflash chat` over a pipe: each turn streams a reply, then tau and tok/s on stderr;
+    the second turn sees the first (the history is kept)."""
+    a = artifacts["llama"]
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.cli", "chat", "--model", a["target"], "--drafter",
+                        a["drafter"], "--max-tokens", "8"], input="hello there\nand again\n/exit\nignored\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = [line for line in r.stderr.splitlines() if line.startswith("[") and "tau" in line]
+    assert len(stats) == 2 and all("tok/s" in s for s in stats), r.stderr
+    assert len(r.stdout.splitlines()) >= 2

@@ -72,6 +72,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_DRAFT_LEN = 3  # the fastest n for the shipped drafter in bench/results/humaneval.json
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -107,8 +108,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
                           "speculative": _stats_json(spec)}))
         return 0
     print(f"target : {target}")
-    print(f"drafter: {drafter}" + ("" if trained else "  (untrained random weights: no trained drafter "
-                                                      "ships yet, so expect tau ~ 1 and no speedup)"))
+    print(f"drafter: {drafter}" + ("  (the shipped DFlash2 drafter; its training and measured results: "
+                                      "MODEL_CARD.md beside it)" if trained else
+                                      "  (untrained random weights: the shipped drafter is missing from this "
+                                      "install, so expect tau ~ 1 and no speedup)"))
     print(spec.text)
     print(_summary("plain      ", plain.stats))
     print(_summary("speculative", spec.stats))
@@ -119,6 +122,86 @@ def cmd_demo(a: argparse.Namespace) -> int:
               f"(plain) / {report['spec_margin']:.3f} (speculative) -> "
               + ("a numerical near-tie: batched verification and single-token decoding round differently"
                  if report["verdict"] == "near-tie" else "NOT a near-tie: please report this"))
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    """Interactive streaming chat through the drop-in Llama; prints tau and tok/s after each reply."""
+    from .llama import Llama
+
+    model = a.model
+    drafter = a.drafter
+    if model is None:
+        from .models import default_target, shipped_drafter
+
+        model = str(default_target())
+        drafter = drafter or (str(shipped_drafter()) if shipped_drafter() else None)
+    llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
+                seed=a.seed, verbose=a.verbose)
+    messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    interactive = sys.stdin.isatty()
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                break
+            messages.append({"role": "user", "content": text})
+            reply = []
+            for chunk in llm.create_chat_completion(messages, max_tokens=a.max_tokens, temperature=a.temperature,
+                                                    seed=a.seed, stream=True):
+                piece = chunk["choices"][0]["delta"].get("content") or ""
+                reply.append(piece)
+                print(piece, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+            s = llm.last_speculative_stats
+            if s is not None:
+                print(f"[{s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, {s.mode}"
+                      + (f", fallback: {s.fallback_reason}" if s.fallback_reason else "") + "]", file=sys.stderr)
+    finally:
+        llm.close()
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """The OpenAI-compatible server (python -m llama_dflash.server); arguments pass through."""
+    from .server import main as server_main
+
+    return server_main(a.args)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    """The drafter recipe (data -> features -> DFlash v1 -> DFlash2 -> HF -> GGUF), resumable."""
+    from .train_run import RunSpec, run
+
+    if a.target is None:
+        from .models import default_target
+
+        a.target = str(default_target())
+    spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
+    for k in ("prompts", "max_new", "max_sequences", "v1_steps", "v2_steps", "n_layer", "block_size", "outtype",
+              "seed"):
+        v = getattr(a, k)
+        if v is not None:
+            setattr(spec, k, v)
+    if spec.prompts < 0 or spec.v1_steps < 1 or spec.v2_steps < 1 or spec.block_size < 2 or spec.n_layer < 1:
+        raise ValueError("--prompts must be >= 0; steps, --n-layer >= 1; --block-size >= 2")
+    s = run(a.out, spec)
+    if a.json:
+        print(json.dumps(s))
+        return 0
+    last = (s["held_out"].get("v2") or [{}])[-1]
+    print(f"wrote {s['gguf']['path']} ({s['gguf']['bytes'] / 2**20:.1f} MiB, {s['gguf']['outtype']}); "
+          f"data {s['data']['sequences']} sequences / {s['data']['response_tokens']} response tokens; "
+          f"held-out block tau {last.get('block_tau')}, path tau {last.get('path_tau')}; "
+          f"wall {sum(s['wall_s'].values()):.0f} s")
     return 0
 
 
@@ -255,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)
+    d.set_defaults(draft_len=DEMO_DRAFT_LEN)
     d.set_defaults(func=cmd_demo)
     df = sub.add_parser("diff", help="plain vs speculative side by side; classify the first divergence")
     df.add_argument("--model", required=True)
@@ -267,6 +351,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(df)
     _add_sampling(df)
     df.set_defaults(func=cmd_diff)
+    ch = sub.add_parser("chat", help="interactive streaming chat (default: the embedded model and drafter)")
+    ch.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    ch.add_argument("--drafter", default=None, help="drafter GGUF (default with the embedded model: the shipped one)")
+    ch.add_argument("--system", default=None, help="system message")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--draft-len", type=int, default=None)
+    ch.add_argument("--n-ctx", type=int, default=4096)
+    ch.add_argument("--threads", type=int, default=None)
+    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--seed", type=int, default=0xFFFFFFFF)
+    ch.add_argument("--verbose", action="store_true")
+    ch.set_defaults(func=cmd_chat)
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (arguments of python -m llama_dflash.server)")
+    sv.add_argument("args", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=cmd_serve, verbose=False)
+    t = sub.add_parser("train", help="train a DFlash2 drafter for a target on its own generations (resumable)")
+    t.add_argument("--out", required=True, help="run directory (data, checkpoints, hf/, drafter.gguf, summary.json)")
+    t.add_argument("--target", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    t.add_argument("--smoke", action="store_true", help="tiny data and a few steps, end to end (a minute or two)")
+    t.add_argument("--prompts", type=int, default=None, help="training prompts (0 = all)")
+    t.add_argument("--max-new", type=int, default=None, help="response tokens per prompt")
+    t.add_argument("--max-sequences", type=int, default=None, help="train on at most this many generated sequences")
+    t.add_argument("--v1-steps", type=int, default=None)
+    t.add_argument("--v2-steps", type=int, default=None)
+    t.add_argument("--n-layer", type=int, default=None)
+    t.add_argument("--block-size", type=int, default=None)
+    t.add_argument("--outtype", default=None, choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--verbose", action="store_true")
+    t.set_defaults(func=cmd_train)
     c = sub.add_parser("convert", help="HF DFlash/DFlash2 checkpoint -> GGUF drafter")
     c.add_argument("hf_dir")
     c.add_argument("--target", required=True, help="the target model's GGUF, or its HF directory (vocabulary, sizes)")

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import llama_cpp
 import numpy as np
@@ -33,6 +34,7 @@ def lib_logits(engine, k: int):
                        ctypes.POINTER(ctypes.c_float))
 
 
+_BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative"}
 
 
@@ -46,11 +48,26 @@ class SpeculativeTotals:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
+    t_decode_s: float = 0.0
     fallback_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed of the speculative generations (prefill excluded)."""
+        return self.tokens / self.t_decode_s if self.t_decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        return d
 
 
 class Llama(llama_cpp.Llama):
@@ -77,7 +94,10 @@ class Llama(llama_cpp.Llama):
             draft_model_path = getattr(speculative, "draft_model_path", None) or draft_model_path
             draft_n_max = getattr(speculative, "draft_n_max", None) or draft_n_max
             draft_p_min = getattr(speculative, "draft_p_min", None) or draft_p_min
-        unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif"))]
+        unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif")) and k not in _BASE_PARAMS]
+        if draft_model_path is not None and kwargs.get("draft_model") is not None:
+            raise ValueError("draft_model (llama-cpp-python's prompt-lookup drafter) and a DFlash drafter "
+                             "(draft_model_path) cannot be combined: pass one")
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
         if verify not in ("match", "rejection"):
@@ -243,6 +263,7 @@ class Llama(llama_cpp.Llama):
         tot.drafted += s.drafted
         tot.accepted += s.accepted
         tot.tokens += s.n_generated
+        tot.t_decode_s += s.t_total_s
 
     def close(self) -> None:
         self._engine = None  # before the context it drives
