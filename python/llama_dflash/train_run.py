@@ -192,8 +192,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 
     n_vocab = read_target(spec.target).n_vocab
     t = read_tensors(spec.target, ["token_embd.weight", "output.weight"])
-    embed = torch.from_numpy(t["token_embd.weight"])
-    head = torch.from_numpy(t["output.weight"]) if "output.weight" in t else embed
+    embed = torch.from_numpy(np.array(t["token_embd.weight"]))  # a writable copy of the reader's array
+    head = torch.from_numpy(np.array(t["output.weight"])) if "output.weight" in t else embed
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     results = summary.setdefault("held_out", {})
