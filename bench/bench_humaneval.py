@@ -99,13 +99,15 @@ def main() -> None:
         add("llama_cpp_greedy", max(0, len(ref) - 1), secs)
         r = g.generate(toks, a.tokens, draft_len=0)
         add("ours_plain_greedy", max(0, r.stats.n_generated - 1), r.stats.t_total_s)
+        pm = None  # the plain run with logit margins, computed once if some n diverges
         for n in ns:
             r = g.generate(toks, a.tokens, draft_len=n)
             add(f"greedy_n{n}", max(0, r.stats.n_generated - 1), r.stats.t_total_s, r.stats)
             if r.tokens[: len(ref)] == ref or ref[: len(r.tokens)] == r.tokens:
                 identical[n] += 1
             else:
-                pm = g.generate(toks, a.tokens, draft_len=0, return_margins=True)
+                if pm is None:
+                    pm = g.generate(toks, a.tokens, draft_len=0, return_margins=True)
                 sm = g.generate(toks, a.tokens, draft_len=n, return_margins=True)
                 rep = divergence_report(g, pm, sm, 0.1)
                 divergences.append({"problem": p.key, "n": n, **{k: rep.get(k) for k in

@@ -133,7 +133,7 @@ def test_dflash2_stage_trains_the_selector_and_exports_through_the_converter(art
     T.Trainer(model, src, [0], embed, embed, tc).run()
     after = T.evaluate_source(model, src, [0], embed, embed)
     assert after["topk_recall"] > 0.98 and after["path_tau"] > 6.0, after
-    hf = export_hf(model, {"n_layer": 6, "context_length": 4096}, 1024, tmp_path / "hf")
+    hf = export_hf(model, {"n_layer": 6, "context_length": 4096, "n_vocab": 1024}, tmp_path / "hf")
     out = tmp_path / "v2.gguf"
     convert_hf_to_gguf(hf, a["target"], out, outtype="f32")
     with SpeculativeGenerator(a["target"], out, n_ctx=256) as g:

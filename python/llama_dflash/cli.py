@@ -135,7 +135,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
         from .models import default_target, shipped_drafter
 
         model = str(default_target())
-        drafter = drafter or (str(shipped_drafter()) if shipped_drafter() else None)
+        shipped = shipped_drafter()
+        drafter = drafter or (str(shipped) if shipped else None)
     llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
                 seed=a.seed, verbose=a.verbose)
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []

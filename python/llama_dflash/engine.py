@@ -328,13 +328,17 @@ class SpeculativeGenerator:
             if chain is not None:
                 chain.close()
 
-    def features(self, tokens: Sequence[int]) -> np.ndarray:
-        """Target features of `tokens` (decoded from position 0): [n, n_taps * n_embd] float32."""
+    @property
+    def feature_width(self) -> int:
+        """Values per position that `features` returns (n_taps * n_embd)."""
         if self._capture is None:
             raise DFlashError("no capture: load a drafter or pass capture_layers")
+        return lib.dflash_capture_row_width(self._capture)
+
+    def features(self, tokens: Sequence[int]) -> np.ndarray:
+        """Target features of `tokens` (decoded from position 0): [n, n_taps * n_embd] float32."""
         toks = [int(t) for t in tokens]
-        width = lib.dflash_capture_row_width(self._capture)
-        out = np.empty((len(toks), width), dtype=np.float32)
+        out = np.empty((len(toks), self.feature_width), dtype=np.float32)
         err = _native.err_buf()
         arr = ffi.new("int32_t[]", toks) if toks else ffi.new("int32_t[]", 1)
         if lib.dflash_engine_features(self._engine, arr, len(toks), ffi.from_buffer("float[]", out), err,

@@ -25,7 +25,7 @@ from ._native import ffi, lib
 from .drafter import DFlashError, Drafter
 from .engine import engine_steps
 from .sampling import MODE_NAMES, SamplingParams, verification
-from .stats import SpecStats
+from .stats import Acceptance, SpecStats
 
 
 def lib_logits(engine, k: int):
@@ -39,7 +39,7 @@ _OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "specula
 
 
 @dataclass
-class SpeculativeTotals:
+class SpeculativeTotals(Acceptance):
     """Cumulative counters over every speculative generation of one Llama."""
 
     generations: int = 0
@@ -50,14 +50,6 @@ class SpeculativeTotals:
     tokens: int = 0
     t_decode_s: float = 0.0
     fallback_reasons: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -61,7 +61,7 @@ _current: contextvars.ContextVar[DFlashModelSettings | None] = contextvars.Conte
 
 def _make_llama(*args, **kwargs) -> Llama:
     s = _current.get()
-    if s is not None and isinstance(s, DFlashModelSettings):
+    if s is not None:
         kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_p_min=s.draft_p_min,
                       verify=s.verify, speculation=s.speculation)
     return Llama(*args, **kwargs)

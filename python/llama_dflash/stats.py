@@ -5,8 +5,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+class Acceptance:
+    """tau and acceptance rate from steps / drafted / accepted counters."""
+
+    steps: int
+    drafted: int
+    accepted: int
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 @dataclass
-class SpecStats:
+class SpecStats(Acceptance):
     """What one generation did and where its time went.
 
     tau is the mean acceptance length per verify step, bonus token included
@@ -33,14 +49,6 @@ class SpecStats:
     drafter: str = "none"
     mode: str = "greedy"  # greedy | match | rejection (| plain: a drop-in Llama's fallback)
     fallback_reason: str = ""
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def t_other_s(self) -> float:

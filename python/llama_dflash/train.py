@@ -131,17 +131,15 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
     return out
 
 
-def loss_and_accuracy(model: DFlashReference, s: Sample, anchors: np.ndarray, embed: torch.Tensor,
-                      head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted unary loss of one sample's blocks and the per-slot accuracy."""
-    r = block_losses(model, torch.as_tensor(s.tokens), torch.as_tensor(s.features), torch.as_tensor(anchors), embed,
-                     head)
-    w = slot_weights(model.cfg.block_size)
-    return (r["ce"] * w).sum() / (w.sum() * len(anchors)), r["hit"].float().mean(0)
-
-
-def sample_anchors(s: Sample, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    return _anchors(len(s.tokens), s.start, block, n, rng)
+def sequence_losses(model: DFlashReference, source, i: int, n_anchors: int, rng: np.random.Generator,
+                    embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """block_losses at up to n_anchors random anchors of sequence i of a source (None: too short)."""
+    toks, feats, start = source.sequence(i)
+    a = _anchors(len(toks), start, model.cfg.block_size, n_anchors, rng)
+    if len(a) == 0:
+        return None
+    return block_losses(model, torch.as_tensor(np.asarray(toks, np.int64)),
+                        torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head)
 
 
 def _anchors(length: int, start: int, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -263,12 +261,9 @@ class Trainer:
         total = None
         hits, sel_hits, recall, n_blocks = [], [], [], 0
         for i in self._next_ids():
-            toks, feats, start = self.source.sequence(i)
-            a = _anchors(len(toks), start, B, self.tc.anchors_per_seq, self.rng)
-            if len(a) == 0:
+            r = sequence_losses(self.model, self.source, i, self.tc.anchors_per_seq, self.rng, self.embed, self.head)
+            if r is None:
                 continue
-            r = block_losses(self.model, torch.as_tensor(np.asarray(toks, np.int64)),
-                             torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), self.embed, self.head)
             loss = (r["ce"] * w).sum()
             if "sel_ce" in r:
                 loss = loss + self.tc.alpha_sel * (r["sel_ce"] * w).sum()
@@ -276,7 +271,7 @@ class Trainer:
                 recall.append(r["recall"])
             total = loss if total is None else total + loss
             hits.append(r["hit"])
-            n_blocks += len(a)
+            n_blocks += len(r["hit"])
         self.step += 1
         if total is None:
             return {}
@@ -336,15 +331,11 @@ def evaluate_source(model: DFlashReference, source, ids: Sequence[int], embed: t
     teacher-forced selector accuracy per slot and the self-conditioned path tau (the greedy walk
     follows its own choices; up to the first miss they equal the teacher-forced ones)."""
     rng = np.random.default_rng(seed)
-    B = model.cfg.block_size
     hits, sel, rec = [], [], []
     for i in ids:
-        toks, feats, start = source.sequence(i)
-        a = _anchors(len(toks), start, B, anchors_per_seq, rng)
-        if len(a) == 0:
+        r = sequence_losses(model, source, i, anchors_per_seq, rng, embed, head)
+        if r is None:
             continue
-        r = block_losses(model, torch.as_tensor(np.asarray(toks, np.int64)),
-                         torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head)
         hits.append(r["hit"])
         if "sel_hit" in r:
             sel.append(r["sel_hit"])

@@ -156,7 +156,7 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
     np.save(out / "index.npy", index)
     with SpeculativeGenerator(spec.target, capture_layers=spec.taps, n_ctx=max(lengths, default=1) + 8,
                               n_batch=512) as g:
-        width = len(spec.taps) * g_embd(g)
+        width = g.feature_width
         mode = "r+" if (out / "features.f16").is_file() and n_done else "w+"
         feats = np.memmap(out / "features.f16", np.float16, mode, shape=(max(1, len(tokens)), width))
         bar = Progress(len(recs) - n_done, "features")
@@ -171,12 +171,6 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
         del feats
     state_path.write_text(str(len(recs)))
     log(f"features: {len(recs)} sequences, {len(tokens)} tokens, {width} values per token (fp16)")
-
-
-def g_embd(g) -> int:
-    import llama_cpp
-
-    return llama_cpp.llama_model_n_embd(g._model)
 
 
 class Dataset:

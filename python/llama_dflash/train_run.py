@@ -66,8 +66,10 @@ class RunSpec:
 
 
 def _target_config(target: str) -> dict:
+    """The target's sizes from its GGUF (read once per run)."""
     from gguf import GGUFReader
 
+    n_vocab = read_target(target).n_vocab  # also the clear error for a missing / unreadable file
     r = GGUFReader(target)
     arch = r.fields["general.architecture"].contents()
 
@@ -77,7 +79,7 @@ def _target_config(target: str) -> dict:
 
     n_head = int(get("attention.head_count"))
     n_embd = int(get("embedding_length"))
-    return {"arch": arch, "n_embd": n_embd, "n_layer": int(get("block_count")), "n_head": n_head,
+    return {"arch": arch, "n_vocab": n_vocab, "n_embd": n_embd, "n_layer": int(get("block_count")), "n_head": n_head,
             "n_head_kv": int(get("attention.head_count_kv", n_head)),
             "head_dim": int(get("attention.key_length", n_embd // n_head)), "n_ff": int(get("feed_forward_length")),
             "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -85,8 +87,8 @@ def _target_config(target: str) -> dict:
             "context_length": int(get("context_length", 8192))}
 
 
-def drafter_config(spec: RunSpec, version: int) -> tuple[DrafterConfig, dict]:
-    t = _target_config(spec.target)
+def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
+    """The drafter's shape for target config t (from _target_config)."""
     if max(spec.taps) >= t["n_layer"]:
         raise ValueError(f"tap {max(spec.taps)} is past the target's {t['n_layer']} layers")
     cfg = DrafterConfig(n_embd=t["n_embd"], n_layer=spec.n_layer, n_head=t["n_head"], n_head_kv=t["n_head_kv"],
@@ -96,11 +98,11 @@ def drafter_config(spec: RunSpec, version: int) -> tuple[DrafterConfig, dict]:
     if version == 2:
         cfg.conv_kernel_size, cfg.conv_group_size = spec.conv_kernel_size, spec.conv_group_size
         cfg.selector_rank, cfg.selector_top_k = spec.selector_rank, spec.selector_top_k
-        cfg.n_vocab = read_target(spec.target).n_vocab
-    return cfg, t
+        cfg.n_vocab = t["n_vocab"]
+    return cfg
 
 
-def hf_config(cfg: DrafterConfig, t: dict, n_vocab: int) -> dict:
+def hf_config(cfg: DrafterConfig, t: dict) -> dict:
     """config.json in the z-lab schema (dflash_config nested, as the June 2026 revisions write it)."""
     dc = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}
     if cfg.is_v2:
@@ -109,16 +111,16 @@ def hf_config(cfg: DrafterConfig, t: dict, n_vocab: int) -> dict:
     return {"architectures": ["DFlash2DraftModel" if cfg.is_v2 else "DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
             "num_key_value_heads": cfg.n_head_kv, "head_dim": cfg.head_dim, "intermediate_size": cfg.n_ff,
-            "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_eps, "vocab_size": n_vocab,
+            "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_eps, "vocab_size": t["n_vocab"],
             "num_target_layers": t["n_layer"], "max_position_embeddings": t["context_length"],
             "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "is_causal": cfg.causal,
             "tie_word_embeddings": True, "dtype": "float32", "dflash_config": dc}
 
 
-def export_hf(model: DFlashReference, t: dict, n_vocab: int, out: Path) -> Path:
+def export_hf(model: DFlashReference, t: dict, out: Path) -> Path:
     """The trained drafter as a HF checkpoint directory (config.json + model.safetensors, f32)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, t, n_vocab), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, t), indent=1))
     write_safetensors(out / "model.safetensors", {k: v.numpy() for k, v in exported_state(model).items()}, "F32")
     return out
 
@@ -151,8 +153,9 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     """Run (or resume) the whole recipe into directory `out`; returns the summary."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tinfo = _target_config(spec.target)
     if spec.taps is None:
-        spec.taps = default_target_layer_ids(_target_config(spec.target)["n_layer"], 5)
+        spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
     def say(msg: str) -> None:
@@ -190,19 +193,17 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
                        "prompt_sources": sorted({p.source for p in prompts})}
     say(f"data: {summary['data']}")
 
-    n_vocab = read_target(spec.target).n_vocab
     t = read_tensors(spec.target, ["token_embd.weight", "output.weight"])
     embed = torch.from_numpy(np.array(t["token_embd.weight"]))  # a writable copy of the reader's array
     head = torch.from_numpy(np.array(t["output.weight"])) if "output.weight" in t else embed
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     results = summary.setdefault("held_out", {})
     states = {}
+    feature_sample = _feature_sample(ds) if spec.whiten_features else None
     for version, steps, lr in ((1, spec.v1_steps, spec.v1_lr), (2, spec.v2_steps, spec.v2_lr)):
-        cfg, tinfo = drafter_config(spec, version)
-        model = DFlashReference(cfg)
-        if spec.whiten_features:
-            whiten_features(model, _feature_sample(ds))
+        model = DFlashReference(drafter_config(spec, version, tinfo))
+        if feature_sample is not None:
+            whiten_features(model, feature_sample)
         if version == 1:
             _init_v1(model, spec.seed)
         else:
@@ -220,7 +221,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         states[version] = {k: v.clone() for k, v in model.state_dict().items()}
         summary_path.write_text(json.dumps(summary, indent=1))
 
-    hf_dir = stage("export", lambda: export_hf(model, tinfo, n_vocab, out / "hf"))
+    hf_dir = stage("export", lambda: export_hf(model, tinfo, out / "hf"))
     gguf = out / "drafter.gguf"
     conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, gguf, outtype=spec.outtype))
     summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype}
