@@ -63,10 +63,15 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
-def test_train_cli_errors(tmp_path, capsys):
+def test_train_cli_errors(artifacts, tmp_path, capsys):
     assert main(["train", "--smoke", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
+    for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"]):
+        assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"),
+                     *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert "must be >= " in err and err.count("\n") == 1
 
 
 def test_interrupted_training_resumes_to_the_same_weights(artifacts, tmp_path):

@@ -192,8 +192,10 @@ def cmd_train(a: argparse.Namespace) -> int:
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
-    if spec.prompts < 0 or spec.v1_steps < 1 or spec.v2_steps < 1 or spec.block_size < 2 or spec.n_layer < 1:
-        raise ValueError("--prompts must be >= 0; steps, --n-layer >= 1; --block-size >= 2")
+    if (spec.prompts < 0 or spec.max_sequences < 0 or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1
+            or spec.block_size < 2 or spec.n_layer < 1):
+        raise ValueError("--prompts and --max-sequences must be >= 0; --max-new, steps, --n-layer >= 1; "
+                         "--block-size >= 2")
     s = run(a.out, spec)
     if a.json:
         print(json.dumps(s))
