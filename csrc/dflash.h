@@ -107,14 +107,26 @@ int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d);
 int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows,
                             char * err, size_t err_len);
 
+/* A constraint on drafted tokens (e.g. a grammar), walked slot by slot: each slot takes its
+ * best (or sampled) candidate among those `allowed` says may follow the tokens `accept`ed so
+ * far, and the draft ends at a slot with no allowed candidate. */
+struct dflash_token_filter {
+    bool (*allowed)(void * ud, int32_t token);
+    void (*accept)(void * ud, int32_t token);
+    void * ud;
+    int32_t n_skipped;  /* out: slots whose best candidate was forbidden and replaced */
+    bool    cut;        /* out: the draft ended at a slot with no allowed candidate */
+};
+
 /* Greedy draft of up to n tokens after `anchor` (the token at position n_ctx_used).
  * p_min > 0 cuts the draft at the first slot whose chosen token has a confidence
  * below p_min (DFlash v1: softmax of the slot's DFLASH_V1_SAMPLE_K best logits;
- * DFlash2: softmax of the selector scores on the walk).  out_tokens: the ids.
- * out_logits (optional): n x n_vocab floats, after logit scale and softcap.
- * Returns the number of tokens drafted, or -1. */
+ * DFlash2: softmax of the selector scores on the walk).  filter (optional): only
+ * allowed candidates (v1: among the slot's DFLASH_V1_SAMPLE_K best; DFlash2: the
+ * lattice's K).  out_tokens: the ids.  out_logits (optional): n x n_vocab floats,
+ * after logit scale and softcap.  Returns the number of tokens drafted, or -1. */
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
-                             int32_t * out_tokens, float * out_logits,
+                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_logits,
                              char * err, size_t err_len);
 
 /* Random state of the sampled paths (xoshiro256**). */
@@ -127,11 +139,14 @@ struct dflash_rng {
 /* Draft by sampling at temperature T > 0 and return the proposal q:
  * DFlash v1 samples each slot independently from softmax(logits / T) over its
  * DFLASH_V1_SAMPLE_K best tokens; DFlash2 walks the lattice, sampling each slot
- * from softmax(scores[prev] / T).  out_cand / out_q: n x k candidate ids and
- * their proposal probabilities (k returned in *out_k). */
+ * from softmax(scores[prev] / T).  filter (optional): forbidden candidates get q = 0
+ * (the proposal stays exact for rejection sampling).  out_cand / out_q: n x k candidate
+ * ids and their proposal probabilities (k returned in *out_k).  Returns the number of
+ * tokens drafted (< n only when the filter allowed nothing), or -1. */
 int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
-                                    struct dflash_rng * rng, int32_t * out_tokens, int32_t * out_cand,
-                                    float * out_q, int32_t * out_k, char * err, size_t err_len);
+                                    struct dflash_rng * rng, struct dflash_token_filter * filter,
+                                    int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
+                                    char * err, size_t err_len);
 
 /* DFlash2: the candidate lattice of the last draft of n tokens.  cand: n x K
  * token ids; scores: n x K x K, scores[k][a][b] = score of candidate b of slot
@@ -205,6 +220,8 @@ struct dflash_stats {
     int32_t stop_reason;   /* 1 = eos, 2 = max_tokens */
     int32_t mode;          /* the verify mode that ran */
     int32_t n_reused;      /* prompt tokens whose KV was kept from the previous generation */
+    int32_t grammar_cut;   /* drafts the grammar ended early (no allowed candidate at a slot) */
+    int32_t grammar_skipped; /* draft slots whose best candidate the grammar forbade (replaced) */
 };
 
 enum dflash_verify_mode {
@@ -231,6 +248,10 @@ struct dflash_engine_params {
                               on wastes no verification */
     float    temperature;  /* REJECTION: temperature of the drafter's q */
     uint64_t seed;         /* REJECTION: seed of the accept / resample draws */
+    /* Grammar-aware drafting (optional): the request's grammar sampler, whose state is the
+     * committed tokens (e.g. llama_sampler_chain_get(sampler, i)).  Each draft walks a clone
+     * of it: forbidden candidates are skipped and the draft ends where nothing is allowed. */
+    struct llama_sampler * grammar;
 };
 
 /* State after one verify step, for tracing and invariant checks. */

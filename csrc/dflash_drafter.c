@@ -515,6 +515,8 @@ static void fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool 
 }
 
 // A sampled draft (T > 0): its temperature, random state and proposal outputs.
+static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q);
+
 struct dflash_sample_req {
     float temperature;
     struct dflash_rng * rng;  // NULL: greedy choice (p_min cut-off only)
@@ -523,7 +525,44 @@ struct dflash_sample_req {
     int32_t k;
     float p_min;      // greedy: stop at the first slot less confident than this
     int32_t n_out;    // tokens produced
+    struct dflash_token_filter * filter;  // optional: only allowed candidates
 };
+
+// The slot's choice among its k candidates x[0..k) (ids c) under the filter: greedy takes
+// the best allowed one, sampling draws from softmax(x / T) over the allowed ones (q of the
+// rest is 0).  Returns the index, or -1 when nothing is allowed; the choice is accepted
+// into the filter.
+static int32_t choose(const float * x, const int32_t * c, int32_t k, struct dflash_sample_req * samp, float * q) {
+    struct dflash_token_filter * f = samp ? samp->filter : NULL;
+    float masked[DFLASH_V1_SAMPLE_K > 64 ? DFLASH_V1_SAMPLE_K : 64];
+    const float * row = x;
+    if (f) {
+        int32_t best = -1, n_ok = 0, top = 0;
+        for (int32_t j = 0; j < k; j++) {
+            top = x[j] > x[top] ? j : top;
+            const bool ok = f->allowed(f->ud, c[j]);
+            masked[j] = ok ? x[j] : -INFINITY;
+            if (ok) {
+                n_ok++;
+                if (best < 0 || x[j] > x[best]) best = j;
+            }
+        }
+        if (n_ok == 0) {
+            f->cut = true;
+            return -1;
+        }
+        if (best != top) f->n_skipped++;
+        row = masked;
+    }
+    int32_t pick = 0;
+    if (samp && samp->rng) {
+        pick = sample_softmax(row, k, samp->temperature, samp->rng, q);
+    } else {
+        for (int32_t j = 1; j < k; j++) pick = row[j] > row[pick] ? j : pick;
+    }
+    if (f) f->accept(f->ud, c[pick]);
+    return pick;
+}
 
 // Softmax probability of x[j] among x[0..k) at temperature 1.
 static float softmax_at(const float * x, int32_t k, int32_t j) {
@@ -562,16 +601,13 @@ static int32_t walk(const struct dflash_drafter_info * hp, const int32_t * cand,
     int32_t prev = 0;
     for (int32_t k = 0; k < n; k++) {
         const float * row = scores + ((size_t) k * K + prev) * K;
-        int32_t best = 0;
+        // sampled walk: q conditioned on the drafted predecessor
+        const int32_t best = choose(row, cand + (size_t) k * K, K, samp, samp ? samp->q + (size_t) k * K : NULL);
+        if (best < 0) return k;
         if (samp && samp->rng) {
-            // sampled walk: q conditioned on the drafted predecessor
-            best = sample_softmax(row, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
             memcpy(samp->cand + (size_t) k * K, cand + (size_t) k * K, sizeof(int32_t) * K);
-        } else {
-            for (int32_t j = 1; j < K; j++) {
-                if (row[j] > row[best]) best = j;
-            }
-            if (samp && samp->p_min > 0.0f && softmax_at(row, K, best) < samp->p_min) return k;
+        } else if (samp && samp->p_min > 0.0f && softmax_at(row, K, best) < samp->p_min) {
+            return k;
         }
         out_tokens[k] = cand[k * K + best];
         prev = best;
@@ -670,15 +706,10 @@ static int32_t run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         samp->n_out = n;
         for (int32_t k = 0; k < n; k++) {
             const float * x = lg + (size_t) k * K;
-            int32_t j = 0;
-            if (samp->rng) {
-                j = sample_softmax(x, K, samp->temperature, samp->rng, samp->q + (size_t) k * K);
-            } else {
-                for (int32_t i = 1; i < K; i++) j = x[i] > x[j] ? i : j;
-                if (softmax_at(x, K, j) < samp->p_min) {
-                    samp->n_out = k;
-                    break;
-                }
+            const int32_t j = choose(x, samp->cand + (size_t) k * K, K, samp, samp->q + (size_t) k * K);
+            if (j < 0 || (!samp->rng && samp->p_min > 0.0f && softmax_at(x, K, j) < samp->p_min)) {
+                samp->n_out = k;
+                break;
             }
             out_tokens[k] = samp->cand[(size_t) k * K + j];
         }
@@ -1278,18 +1309,19 @@ int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, fl
     return dflash_state_last_lattice(d->def, cand, scores);
 }
 
-int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min, int32_t * out_tokens,
-                             float * out_logits, char * err, size_t err_len) {
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
+                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_logits, char * err,
+                             size_t err_len) {
     struct dflash_state * st = d->def;
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
-    if (!(p_min > 0.0f)) {
+    if (!(p_min > 0.0f) && !filter) {
         return run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
     }
     // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
     const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
     int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
     float * q = malloc(sizeof(float) * (size_t) n * K);
-    struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, 0 };
+    struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, 0, filter };
     const int32_t rc = run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
     free(cand);
     free(q);
@@ -1297,16 +1329,17 @@ int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, floa
 }
 
 int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
-                                    struct dflash_rng * rng, int32_t * out_tokens, int32_t * out_cand,
-                                    float * out_q, int32_t * out_k, char * err, size_t err_len) {
+                                    struct dflash_rng * rng, struct dflash_token_filter * filter,
+                                    int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
+                                    char * err, size_t err_len) {
     struct dflash_state * st = d->def;
     if (!(temperature > 0.0f)) {
         dflash_seterr(err, err_len, "sampled drafting needs a temperature > 0 (got %g)", (double) temperature);
         return -1;
     }
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
-    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, 0 };
+    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, 0, filter };
     if (run_graph(d, &st, 1, &anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
-    return 0;
+    return req.n_out;
 }

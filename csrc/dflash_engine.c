@@ -252,6 +252,18 @@ static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_p
     return argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
 }
 
+// Grammar-aware drafting: may `token` follow what the cloned grammar has accepted?
+static bool grammar_allowed(void * grammar, int32_t token) {
+    llama_token_data one = { token, 0.0f, 0.0f };
+    llama_token_data_array arr = { &one, 1, -1, false };
+    llama_sampler_apply((struct llama_sampler *) grammar, &arr);
+    return isfinite(one.logit);
+}
+
+static void grammar_accept(void * grammar, int32_t token) {
+    llama_sampler_accept((struct llama_sampler *) grammar, token);
+}
+
 static int32_t target_len(const struct dflash_engine * e) {
     return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
 }
@@ -399,6 +411,13 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
 
     const double ta = dflash_now();
     int32_t n_drafted = 0;
+    struct dflash_token_filter grammar_filter = { grammar_allowed, grammar_accept, NULL, 0, false };
+    struct dflash_token_filter * gf = NULL;
+    if (n > 0 && params->grammar) {
+        // the draft walks a clone of the grammar; the chain's own state moves only on commits
+        grammar_filter.ud = llama_sampler_clone(params->grammar);
+        gf = grammar_filter.ud ? &grammar_filter : NULL;
+    }
     if (n > 0) {
         if (e->draft_fn) {
             n_drafted = e->draft_fn(e->draft_ud, e->history, e->n_hist, n, drafts);
@@ -413,12 +432,26 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
                 }
             }
         } else if (e->drafter && rejection) {
-            if (dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, drafts, e->q_cand,
-                                            e->q_prob, &q_k, err, err_len) != 0) return -1;
-            n_drafted = n;
+            n_drafted = dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, gf,
+                                                    drafts, e->q_cand, e->q_prob, &q_k, err, err_len);
         } else if (e->drafter) {
-            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, drafts, NULL, err, err_len);
-            if (n_drafted < 0) return -1;
+            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, gf, drafts, NULL, err, err_len);
+        }
+        if (n_drafted < 0) {
+            if (gf) llama_sampler_free(gf->ud);
+            return -1;
+        }
+        if (gf && e->draft_fn) {
+            // an external source knows no grammar: cut its draft at the first forbidden token
+            int32_t k = 0;
+            while (k < n_drafted && grammar_allowed(gf->ud, drafts[k])) grammar_accept(gf->ud, drafts[k++]);
+            gf->cut = k < n_drafted;
+            n_drafted = k;
+        }
+        if (gf) {
+            st->grammar_cut += gf->cut;
+            st->grammar_skipped += gf->n_skipped;
+            llama_sampler_free(gf->ud);
         }
     }
     const double tb = dflash_now();

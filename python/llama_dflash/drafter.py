@@ -118,7 +118,7 @@ class Drafter:
         logits = np.empty((max(n, 0), self.info.n_vocab), dtype=np.float32) if return_logits else None
         lp = ffi.from_buffer("float[]", logits) if return_logits and n > 0 else ffi.NULL
         err = _native.err_buf()
-        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, toks, lp, err, _native.ERR_LEN)
+        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, ffi.NULL, toks, lp, err, _native.ERR_LEN)
         if got < 0:
             raise DFlashError(_native.err_str(err))
         ids = list(toks[0:got])
@@ -139,8 +139,8 @@ class Drafter:
         k = ffi.new("int32_t *")
         err = _native.err_buf()
         cand_c, q_c = ffi.from_buffer("int32_t[]", cand), ffi.from_buffer("float[]", q)
-        if lib.dflash_drafter_draft_sample(self._d, anchor, n, temperature, rng, toks, cand_c, q_c, k, err,
-                                           _native.ERR_LEN):
+        if lib.dflash_drafter_draft_sample(self._d, anchor, n, temperature, rng, ffi.NULL, toks, cand_c, q_c, k, err,
+                                           _native.ERR_LEN) < 0:
             raise DFlashError(_native.err_str(err))
         kk = k[0]
         cand = cand.reshape(-1)[: n * kk].reshape(n, kk)

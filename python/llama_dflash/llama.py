@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import llama_cpp
 import numpy as np
 
-from . import _native
+from . import _native, completion
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter
 from .engine import engine_steps
@@ -35,7 +35,9 @@ def lib_logits(engine, k: int):
 
 
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
-_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative"}
+_COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
+_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative",
+            "grammar_aware_drafting"}
 
 
 @dataclass
@@ -72,13 +74,19 @@ class Llama(llama_cpp.Llama):
     (speculative sampling with the drafter's q: same distribution, other random stream).
     speculation: "on", "off", or "auto" (measure plain and speculative steps early in each
     generation and draft no more when speculation is slower; output unchanged either way).
+    grammar_aware_drafting: with a grammar (or JSON schema, or forced tool call), drafts walk a
+    copy of the grammar state: forbidden candidates are skipped and a draft ends where the
+    grammar allows none of them.
     speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
     optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
+
+    Completions run through a loop that adds O(1) work per token (llama-cpp-python's re-reads
+    the whole text), and ``logprobs`` work without ``logits_all`` (no n_ctx x n_vocab buffer).
     """
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
                  draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on", speculative=None,
-                 **kwargs) -> None:
+                 grammar_aware_drafting: bool = True, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -100,6 +108,8 @@ class Llama(llama_cpp.Llama):
         self.verify = verify
         self.speculation = speculation
         self.draft_p_min = draft_p_min
+        self.grammar_aware_drafting = bool(grammar_aware_drafting)
+        self._dflash_rows = None  # (list, n): the completion loop asked for per-token logprobs
         self.last_speculative_stats: SpecStats | None = None
         self.speculative_stats_total = SpeculativeTotals()
         self._drafter = self._capture = self._engine = None
@@ -130,12 +140,21 @@ class Llama(llama_cpp.Llama):
             raise DFlashError(_native.err_str(err))
         self._engine = ffi.gc(eng, lib.dflash_engine_free)
 
-    # create_completion tells generate how many tokens it will take
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
-        self._dflash_budget = -1 if max_tokens is None else max_tokens
-        return super()._create_completion(prompt, suffix, max_tokens, *args, **kwargs)
+        kwargs.update(zip(_COMPLETION_ARGS, args, strict=False))
+        if (self._drafter is None or suffix is not None or self._logits_all
+                or (kwargs.get("echo") and kwargs.get("logprobs") is not None)):
+            # the base class's own loop (it still draws its tokens from generate below)
+            self._dflash_budget = -1 if max_tokens is None else max_tokens
+            return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
+        return completion.create_completion(self, prompt, None, max_tokens, **kwargs)
 
-    def _fallback_reason(self, temp, mirostat_mode, logits_processor) -> str | None:
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        if self._engine is not None:
+            lib.dflash_engine_forget(self._engine)  # the KV no longer holds what the engine last left there
+
+    def _fallback_reason(self, temp, mirostat_mode) -> str | None:
         if self._drafter is None:
             return None
         if self.speculation == "off":
@@ -144,10 +163,6 @@ class Llama(llama_cpp.Llama):
             return self._unavailable
         if self._logits_all:
             return "logits_all / logprobs"
-        if self.cache is not None:
-            return "prompt cache"
-        if logits_processor:
-            return "logits_processor"
         if mirostat_mode:
             return "mirostat"
         if temp < 0:
@@ -163,7 +178,7 @@ class Llama(llama_cpp.Llama):
         """llama_cpp.Llama.generate's contract (yield tokens until the caller stops), served by the
         speculative loop when it can be exact, else by the base class."""
         budget, self._dflash_budget = self._dflash_budget, -1
-        reason = self._fallback_reason(temp, mirostat_mode, logits_processor)
+        reason = self._fallback_reason(temp, mirostat_mode)
         if self._drafter is None or reason is not None:
             if self._engine is not None:
                 lib.dflash_engine_forget(self._engine)  # the base class is about to use the context
@@ -172,12 +187,17 @@ class Llama(llama_cpp.Llama):
                 tot = self.speculative_stats_total
                 tot.fallbacks += 1
                 tot.fallback_reasons[reason] = tot.fallback_reasons.get(reason, 0) + 1
-            yield from super().generate(
-                tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
-                repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
-                presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
-                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
-                logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar)
+            rows = self._dflash_rows
+            for t in super().generate(
+                    tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                    repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                    mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                    logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar):
+                if rows is not None:  # the context still holds the row that produced t
+                    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1), (self._n_vocab,))
+                    rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
+                yield t
             return
         toks = [int(t) for t in tokens]
         # Like the base generator, run until the caller stops (create_completion may read a few
@@ -188,17 +208,22 @@ class Llama(llama_cpp.Llama):
         sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                             repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
-                            grammar=grammar, seed=self._seed, mode=self.verify)
+                            grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify)
         yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None) -> Iterator[int]:
-        mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab)
+        mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab, history=toks)
+        grammar = ffi.NULL
+        if chain is not None and chain.grammar_index >= 0 and self.grammar_aware_drafting:
+            grammar = _native.ptr("struct llama_sampler *",
+                                  llama_cpp.llama_sampler_chain_get(chain.sampler, chain.grammar_index))
         params = ffi.new("struct dflash_engine_params *", {
             "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
             "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
-            "reuse_prefix": True,
+            "reuse_prefix": True, "grammar": grammar,
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
+        rows = self._dflash_rows
 
         def check(rc: int, err) -> None:
             if rc < 0:
@@ -216,9 +241,11 @@ class Llama(llama_cpp.Llama):
                 for k, t in enumerate(step):
                     # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
                     # the row that produced it -- only verified tokens, never drafts.
-                    if stopping_criteria is not None:
+                    if stopping_criteria is not None or rows is not None:
                         row = np.ctypeslib.as_array(lib_logits(self._engine, k), (self._n_vocab,))
-                        if stopping_criteria(ids[:n_ids], row):
+                        if rows is not None:
+                            rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
+                        if stopping_criteria is not None and stopping_criteria(ids[:n_ids], row):
                             return
                     ids[n_ids] = t
                     n_ids += 1

@@ -8,9 +8,13 @@ samples exactly what ``Llama`` samples with that seed.
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import llama_cpp
+import numpy as np
 from llama_cpp import _internals
 
 MODES = ("match", "rejection")
@@ -31,6 +35,7 @@ class SamplingParams:
     penalty_last_n: int = 64
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: object | None = None  # llama_cpp.LlamaGrammar
+    logits_processor: Sequence | None = None  # llama_cpp.LogitsProcessorList: (input_ids, scores) -> scores
     seed: int = 0xFFFFFFFF          # LLAMA_DEFAULT_SEED: random
     mode: str = "match"
 
@@ -44,18 +49,63 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax without any logit transform: the exact greedy path (with margins)."""
         return (self.temperature == 0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
-                and self.presence_penalty == 0.0 and not self.logit_bias and self.grammar is None)
+                and self.presence_penalty == 0.0 and not self.logit_bias and self.grammar is None and not self.logits_processor)
 
 
-def build_chain(p: SamplingParams, model, vocab, n_vocab: int, with_dist: bool = True) -> _internals.LlamaSampler:
+_TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+
+class ProcessorSampler(_internals.CustomSampler):
+    """llama-cpp-python logits processors as the chain's first sampler, as
+    ``llama_cpp.Llama._init_sampler`` places them.  Their ``input_ids`` are the prompt and the
+    tokens accepted into the chain so far: the verify loop accepts a row's token before it
+    samples the next row, so processors see the verified prefix and never a draft."""
+
+    def __init__(self, processors: Sequence, history: Sequence[int]) -> None:
+        self.processors = list(processors)
+        self.ids = np.empty(max(64, 2 * len(history)), dtype=np.intc)
+        self.n = len(history)
+        self.ids[:self.n] = history
+        self.calls = 0
+        super().__init__(self._apply)
+
+        def accept(_smpl, token) -> None:
+            if self.n == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+            self.ids[self.n] = token
+            self.n += 1
+
+        self._accept_ref = llama_cpp.llama_sampler_i_accept(accept)
+        self.sampler.iface.contents.accept = self._accept_ref
+
+    def _apply(self, cur_p) -> None:
+        arr = cur_p.contents
+        raw = (ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(ctypes.addressof(arr.data.contents))
+        logits = np.frombuffer(raw, dtype=_TOKEN_DATA)["logit"]
+        self.calls += 1
+        for proc in self.processors:
+            logits[:] = proc(self.ids[:self.n], logits)
+
+
+def build_chain(p: SamplingParams, model, vocab, n_vocab: int, with_dist: bool = True,
+                history: Sequence[int] = ()) -> _internals.LlamaSampler:
     """The request's chain; without the final dist sampler it is the transform chain whose
-    surviving logits define p for rejection sampling."""
+    surviving logits define p for rejection sampling.  history: the prompt (what logits
+    processors see before the first generated token).  ``chain.grammar_index`` is the grammar
+    sampler's position in the chain (-1: none), for grammar-aware drafting."""
     s = _internals.LlamaSampler()
+    if p.logits_processor:
+        proc = ProcessorSampler(p.logits_processor, history)
+        llama_cpp.llama_sampler_chain_add(s.sampler, proc.get_sampler())
+        # removed again before the chain is freed (llama.cpp must not free a Python object)
+        s.custom_samplers.append((llama_cpp.llama_sampler_chain_n(s.sampler) - 1, proc))
     if p.logit_bias:
         s.add_logit_bias(n_vocab, {int(k): float(v) for k, v in p.logit_bias.items()})
     s.add_penalties(n_vocab=n_vocab, penalty_last_n=p.penalty_last_n, penalty_repeat=p.repeat_penalty,
                     penalty_freq=p.frequency_penalty, penalty_present=p.presence_penalty)
+    s.grammar_index = -1
     if p.grammar is not None:
+        s.grammar_index = llama_cpp.llama_sampler_chain_n(s.sampler)
         s.add_grammar(SimpleNamespace(vocab=vocab, model=model), p.grammar)
     if p.temperature == 0:
         if with_dist:
@@ -74,12 +124,12 @@ def build_chain(p: SamplingParams, model, vocab, n_vocab: int, with_dist: bool =
 MODE_NAMES = {0: "greedy", 1: "match", 2: "rejection"}  # enum dflash_verify_mode
 
 
-def verification(p: SamplingParams, model, vocab, n_vocab: int):
+def verification(p: SamplingParams, model, vocab, n_vocab: int, history: Sequence[int] = ()):
     """The C loop's verify mode for a request, and the sampler chain it needs (or None):
     exact argmax when nothing transforms the logits, else the chain (match) or its transforms
     without the final draw (rejection)."""
     if p.is_plain_greedy:
         return 0, None
     if p.temperature == 0 or p.mode == "match":
-        return 1, build_chain(p, model, vocab, n_vocab, with_dist=True)
-    return 2, build_chain(p, model, vocab, n_vocab, with_dist=False)
+        return 1, build_chain(p, model, vocab, n_vocab, with_dist=True, history=history)
+    return 2, build_chain(p, model, vocab, n_vocab, with_dist=False, history=history)

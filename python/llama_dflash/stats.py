@@ -49,6 +49,8 @@ class SpecStats(Acceptance):
     drafter: str = "none"
     mode: str = "greedy"  # greedy | match | rejection (| plain: a drop-in Llama's fallback)
     fallback_reason: str = ""
+    grammar_cut: int = 0      # drafts the grammar ended early (grammar-aware drafting)
+    grammar_skipped: int = 0  # draft slots whose best candidate the grammar forbade (replaced)
 
     @property
     def t_other_s(self) -> float:
@@ -68,6 +70,8 @@ class SpecStats(Acceptance):
         return cls(
             n_prompt=st.n_prompt,
             n_reused=st.n_reused,
+            grammar_cut=st.grammar_cut,
+            grammar_skipped=st.grammar_skipped,
             n_generated=st.n_generated,
             steps=st.steps,
             drafted=st.drafted,
