@@ -289,7 +289,8 @@ def _stream_pending(pieces, prompt, completion_tokens, stop_sequences, logprobs,
             if token_end > limit:
                 break
             token_str = pieces.piece(token).decode("utf-8", errors="ignore")
-            offset = len(prompt) + len(pieces.text(completion_tokens[:returned_tokens]).decode("utf-8", errors="ignore"))
+            sent = pieces.text(completion_tokens[:returned_tokens])
+            offset = len(prompt) + len(sent.decode("utf-8", errors="ignore"))
             lp = token_logprobs(returned_tokens, token, token_str, offset)
             returned_tokens += 1
             yield chunk(token_str, lp)

@@ -49,7 +49,8 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax without any logit transform: the exact greedy path (with margins)."""
         return (self.temperature == 0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
-                and self.presence_penalty == 0.0 and not self.logit_bias and self.grammar is None and not self.logits_processor)
+                and self.presence_penalty == 0.0 and not self.logit_bias and self.grammar is None
+                and not self.logits_processor)
 
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
