@@ -198,3 +198,72 @@ def test_prefix_reuse_prefills_only_the_new_suffix(artifacts):
         other = g.tokenize("Something else entirely")
         r3 = g.generate(other, 8, stop_on_eos=False, reuse_prefix=True)
         assert r3.stats.n_reused == 0
+
+
+GRAMMAR = 'root ::= [a-z ]+ "." [ \\n]*'
+
+
+def test_grammar_cuts_drafts_at_the_first_forbidden_token(artifacts):
+    """Grammar-aware drafting: an external draft with a forbidden token is cut before it (nothing
+    forbidden is verified), the output is unchanged, and the cuts are counted."""
+    import llama_cpp
+
+    from llama_dflash import SamplingParams
+
+    a = artifacts["llama"]
+    grammar = llama_cpp.LlamaGrammar.from_string(GRAMMAR, verbose=False)
+    with SpeculativeGenerator(a["target"], n_ctx=256) as g:
+        toks = g.tokenize("Once upon a time")
+        digit = g.tokenize("7", add_special=False)[0]
+        for seed in (1, 2, 3):
+            plain = g.generate(toks, 24, draft_len=0, stop_on_eos=False,
+                               sampling=SamplingParams(temperature=1.0, seed=seed, grammar=grammar))
+            for aware in (True, False):
+                seen: list[list[int]] = []
+
+                def source(hist, n, seen=seen):
+                    # the plain continuation with a digit (never allowed) at a cycling slot
+                    prop = list(plain.tokens[len(hist) - len(toks):][:n])
+                    if prop:
+                        prop[len(seen) % len(prop)] = digit
+                    seen.append(prop)
+                    return prop
+
+                sp = SamplingParams(temperature=1.0, seed=seed, grammar=grammar, grammar_aware_drafting=aware)
+                steps: list[dict] = []
+                r = g.generate(toks, 24, draft_len=5, draft_source=source, stop_on_eos=False, sampling=sp,
+                               on_step=steps.append)
+                assert r.tokens == plain.tokens
+                assert digit not in r.tokens
+                if aware:
+                    assert r.stats.grammar_cut > 0
+                    # every step verified exactly the allowed prefix of what the source proposed
+                    for s, prop in zip(steps, seen, strict=False):
+                        assert s["drafted"] == (prop.index(digit) if digit in prop else len(prop))
+                else:
+                    assert r.stats.grammar_cut == 0 and r.stats.drafted > sum(map(len, seen)) - len(seen)
+
+
+def test_dflash2_walk_skips_forbidden_candidates(artifacts, v2_drafter):
+    """The DFlash2 walk takes the best candidate the grammar allows: same greedy output as plain,
+    forbidden candidates replaced or the draft ended (counted).  (This random drafter is never
+    accepted; the acceptance gain is measured with the trained one: test_shipped_drafter.py.)"""
+    import llama_cpp
+
+    from llama_dflash import SamplingParams
+
+    a = artifacts["llama"]
+    grammar = llama_cpp.LlamaGrammar.from_string(GRAMMAR, verbose=False)
+    with SpeculativeGenerator(a["target"], str(v2_drafter), n_ctx=256) as g:
+        for aware in (True, False):
+            skipped = cut = 0
+            for p in PROMPTS[:6]:
+                toks = g.tokenize(p)
+                plain = g.generate(toks, 32, draft_len=0, stop_on_eos=False,
+                                   sampling=SamplingParams(temperature=0.0, grammar=grammar))
+                sp = SamplingParams(temperature=0.0, grammar=grammar, grammar_aware_drafting=aware)
+                r = g.generate(toks, 32, draft_len=7, stop_on_eos=False, sampling=sp)
+                assert r.tokens == plain.tokens, p
+                skipped += r.stats.grammar_skipped
+                cut += r.stats.grammar_cut
+            assert (skipped + cut > 0) == aware

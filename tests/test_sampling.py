@@ -89,15 +89,49 @@ def restricted(g, toks, max_size=8):
     return sorted(s), {v: -1e9 for v in range(g.n_vocab) if v not in s}
 
 
-def sample_paths(g, toks, n_seeds, mode, draft_len, bias, T):
+def sample_paths(g, toks, n_seeds, mode, draft_len, bias, T, grammar=None, counts=None):
     out, steps, accepted = [], 0, 0
     for seed in range(n_seeds):
-        sp = SamplingParams(temperature=T, top_k=0, top_p=1.0, min_p=0.0, logit_bias=bias, seed=seed, mode=mode)
+        sp = SamplingParams(temperature=T, top_k=0, top_p=1.0, min_p=0.0, logit_bias=bias, seed=seed, mode=mode,
+                            grammar=grammar)
         r = g.generate(toks, 4, draft_len=draft_len, stop_on_eos=False, sampling=sp)
         out.append(tuple(r.tokens))
         steps += r.stats.steps
         accepted += r.stats.accepted
+        if counts is not None:
+            counts["grammar"] = counts.get("grammar", 0) + r.stats.grammar_cut + r.stats.grammar_skipped
     return out, accepted / max(steps, 1)
+
+
+def gbnf_literal(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
+def test_rejection_with_grammar_aware_drafts_keeps_the_distribution(artifacts, v2_drafter, capsys):
+    """Rejection sampling with drafts that walk the grammar: forbidden candidates get q = 0 and
+    the rest is renormalised, so the output distribution is still plain sampling's (with the
+    grammar).  The grammar forbids part of the drafter's favourite tokens, so drafts get
+    re-routed often."""
+    a = artifacts["llama"]
+    n_seeds, T = 1500, 10.0
+    with SpeculativeGenerator(a["target"], v2_drafter, n_ctx=256) as g:
+        toks = g.tokenize("Once upon a time")
+        support, bias = restricted(g, toks)
+        texts = {t: g.detokenize([t]) for t in support}
+        allowed = [t for t in support[2:] if texts[t] and "\ufffd" not in texts[t]]
+        grammar = llama_cpp.LlamaGrammar.from_string(
+            "root ::= (" + " | ".join(gbnf_literal(texts[t]) for t in allowed) + ")+", verbose=False)
+        plain, _ = sample_paths(g, toks, n_seeds, "match", 0, bias, T, grammar)
+        counts: dict = {}
+        paths, acc = sample_paths(g, toks, n_seeds, "rejection", 3, bias, T, grammar, counts)
+        assert set(t for p in paths for t in p) <= set(t for p in plain for t in p) | set(allowed)
+        p12 = homogeneity_p(plain, paths, lambda x: x[:2])
+        p23 = homogeneity_p(plain, paths, lambda x: x[1:3])
+    with capsys.disabled():
+        print(f"\n[v2 rejection + grammar] {len(allowed)}/{len(support)} support tokens allowed, acceptance {acc:.2f}, "
+              f"{counts['grammar']} drafts re-routed or cut, chi2 p (t1,t2) {p12:.3f} (t2,t3) {p23:.3f}")
+    assert counts["grammar"] > 0 and acc > 0.02
+    assert min(p12, p23) > 1e-3
 
 
 def homogeneity_p(a, b, key):

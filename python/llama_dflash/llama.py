@@ -24,7 +24,7 @@ from . import _native, completion
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter
 from .engine import engine_steps
-from .sampling import MODE_NAMES, SamplingParams, verification
+from .sampling import MODE_NAMES, SamplingParams, draft_grammar, verification
 from .stats import Acceptance, SpecStats
 
 
@@ -208,20 +208,17 @@ class Llama(llama_cpp.Llama):
         sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                             repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
-                            grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify)
+                            grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify,
+                            grammar_aware_drafting=self.grammar_aware_drafting)
         yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None) -> Iterator[int]:
         mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab, history=toks)
-        grammar = ffi.NULL
-        if chain is not None and chain.grammar_index >= 0 and self.grammar_aware_drafting:
-            grammar = _native.ptr("struct llama_sampler *",
-                                  llama_cpp.llama_sampler_chain_get(chain.sampler, chain.grammar_index))
         params = ffi.new("struct dflash_engine_params *", {
             "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
             "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
-            "reuse_prefix": True, "grammar": grammar,
+            "reuse_prefix": True, "grammar": draft_grammar(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         rows = self._dflash_rows
 

@@ -17,6 +17,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
+from ._native import ffi, ptr
+
 MODES = ("match", "rejection")
 
 
@@ -38,6 +40,7 @@ class SamplingParams:
     logits_processor: Sequence | None = None  # llama_cpp.LogitsProcessorList: (input_ids, scores) -> scores
     seed: int = 0xFFFFFFFF          # LLAMA_DEFAULT_SEED: random
     mode: str = "match"
+    grammar_aware_drafting: bool = True  # drafts walk a copy of the grammar (skip what it forbids)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,3 +137,11 @@ def verification(p: SamplingParams, model, vocab, n_vocab: int, history: Sequenc
     if p.temperature == 0 or p.mode == "match":
         return 1, build_chain(p, model, vocab, n_vocab, with_dist=True, history=history)
     return 2, build_chain(p, model, vocab, n_vocab, with_dist=False, history=history)
+
+
+def draft_grammar(p: SamplingParams, chain):
+    """The engine's ``grammar`` parameter: the chain's grammar sampler (a cffi pointer) when
+    drafts should walk the grammar, else NULL."""
+    if chain is None or chain.grammar_index < 0 or not p.grammar_aware_drafting:
+        return ffi.NULL
+    return ptr("struct llama_sampler *", llama_cpp.llama_sampler_chain_get(chain.sampler, chain.grammar_index))
