@@ -221,7 +221,7 @@ def test_grammar_cuts_drafts_at_the_first_forbidden_token(artifacts):
             for aware in (True, False):
                 seen: list[list[int]] = []
 
-                def source(hist, n, seen=seen):
+                def source(hist, n, seen=seen, plain=plain):
                     # the plain continuation with a digit (never allowed) at a cycling slot
                     prop = list(plain.tokens[len(hist) - len(toks):][:n])
                     if prop:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import llama_cpp
 import pytest
 
@@ -139,3 +141,61 @@ def test_speculation_auto_keeps_output(artifacts):
             assert st.fallback_reason.startswith("auto: speculative")
     auto.close()
     base.close()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast",
+    "parameters": {"type": "object", "required": ["city", "days", "unit"], "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["C", "F"]}}}}}]
+SCHEMA = {"type": "object", "required": ["name", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}}}
+
+
+def _no_ids(x):
+    """A chat result without its random ids (completion id, tool-call ids derived from it)."""
+    if isinstance(x, dict):
+        return {k: _no_ids(v) for k, v in x.items() if k not in ("id", "created")}
+    if isinstance(x, list):
+        return [_no_ids(v) for v in x]
+    return x
+
+
+def _chat(llm, stream, **kw):
+    out = llm.create_chat_completion([{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                                     max_tokens=48, stream=stream, **kw)
+    return [_no_ids(c) for c in out] if stream else _no_ids(out)
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_tools_and_json_schema_equal_plain(pair, aware):
+    """Forced and auto tool calls, json_object with a schema and OpenAI's json_schema form: the
+    same messages / chunks as llama_cpp.Llama, arguments that parse and satisfy the schema."""
+    base, spec = pair
+    spec.grammar_aware_drafting = aware
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    openai_form = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    try:
+        for stream in (False, True):
+            for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3)):
+                want = _chat(base, stream, tools=TOOLS, tool_choice=forced, **kw)
+                assert _chat(spec, stream, tools=TOOLS, tool_choice=forced, **kw) == want
+                st = spec.last_speculative_stats
+                assert st.fallback_reason == ""
+                assert (st.grammar_cut + st.grammar_skipped > 0) == aware  # this random drafter: JSON forbids most
+                assert _chat(spec, stream, tools=TOOLS, tool_choice="auto", **kw) == \
+                    _chat(base, stream, tools=TOOLS, tool_choice="auto", **kw)
+                want = _chat(base, stream, response_format={"type": "json_object", "schema": SCHEMA}, **kw)
+                assert _chat(spec, stream, response_format={"type": "json_object", "schema": SCHEMA}, **kw) == want
+                assert _chat(spec, stream, response_format=openai_form, **kw) == want
+        msg = _chat(spec, False, tools=TOOLS, tool_choice=forced, temperature=0.0)["choices"][0]["message"]
+        args = json.loads(msg["tool_calls"][0]["function"]["arguments"])
+        assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert args["city"] in ("Paris", "Oslo", "Lima") and args["unit"] in ("C", "F") and type(args["days"]) is int
+        obj = json.loads(_chat(spec, False, response_format=openai_form, temperature=0.0)["choices"][0]["message"]
+                         ["content"])
+        assert set(obj) == {"name", "n"} and isinstance(obj["name"], str) and type(obj["n"]) is int
+    finally:
+        spec.grammar_aware_drafting = True
+    with pytest.raises(ValueError, match="json_schema"):
+        spec.create_chat_completion([{"role": "user", "content": "x"}], response_format={"type": "json_schema"})

@@ -119,3 +119,40 @@ def test_client_disconnect_mid_stream_then_new_request(server):
     got = _complete(server["base"], PROMPTS[1])
     want = _want(server, PROMPTS[1])
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def test_tools_json_schema_and_logprobs_over_http(server):
+    """A forced tool call and OpenAI's json_schema response_format (which llama-cpp-python's own
+    server rejects) answer like plain llama_cpp.Llama; chat logprobs work with logits_all off."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "unit"],
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}}}}}]
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = server["plain"]
+    common = dict(max_tokens=40, temperature=0.0, repeat_penalty=REPEAT)
+
+    def post(body):
+        r = httpx.post(server["base"] + "/v1/chat/completions", json={"messages": msgs, **common, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    got = post({"tools": tools, "tool_choice": forced})
+    want = plain.create_chat_completion(msgs, tools=tools, tool_choice=forced, **common)["choices"][0]
+    call = got["message"]["tool_calls"][0]["function"]
+    assert call == want["message"]["tool_calls"][0]["function"] and call["name"] == "get_weather"
+    args = json.loads(call["arguments"])
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+
+    got = post({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    want = plain.create_chat_completion(msgs, response_format={"type": "json_object", "schema": schema}, **common)
+    assert got["message"] == want["choices"][0]["message"]
+    assert isinstance(json.loads(got["message"]["content"])["ok"], bool)
+
+    got = post({"logprobs": True, "top_logprobs": 2, "max_tokens": 6})
+    lp = got["logprobs"]["content"]
+    assert len(lp) == 6 and all(len(t["top_logprobs"]) >= 1 and t["logprob"] <= 0 for t in lp)
+    r = httpx.post(server["base"] + "/v1/chat/completions",
+                   json={"messages": msgs, "response_format": {"type": "json_schema"}}, timeout=120)
+    assert r.status_code in (400, 422, 500) and r.status_code != 200

@@ -34,7 +34,20 @@ def lib_logits(engine, k: int):
                        ctypes.POINTER(ctypes.c_float))
 
 
+def openai_response_format(response_format):
+    """OpenAI's structured-output form ``{"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}`` as llama-cpp-python's ``{"type": "json_object", "schema":
+    {...}}`` (which llama-cpp-python 0.3.36 otherwise ignores in Python and rejects over HTTP)."""
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return response_format
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"schema": {...}}')
+    return {"type": "json_object", "schema": spec["schema"]}
+
+
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
+_CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative",
             "grammar_aware_drafting"}
@@ -148,6 +161,19 @@ class Llama(llama_cpp.Llama):
             self._dflash_budget = -1 if max_tokens is None else max_tokens
             return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
         return completion.create_completion(self, prompt, None, max_tokens, **kwargs)
+
+    def create_chat_completion(self, messages, *args, **kwargs):
+        """llama_cpp.Llama.create_chat_completion; response_format may also take OpenAI's
+        ``{"type": "json_schema", ...}`` form."""
+        bound = _CHAT_SIGNATURE.bind(self, messages, *args, **kwargs)
+        if "response_format" in bound.arguments:
+            bound.arguments["response_format"] = openai_response_format(bound.arguments["response_format"])
+        return super().create_chat_completion(*bound.args[1:], **bound.kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        if getattr(self, "_engine", None) is not None:
+            lib.dflash_engine_forget(self._engine)  # the next generation evaluates its prompt again
 
     def load_state(self, state) -> None:
         super().load_state(state)

@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extras
     raise ImportError(f"llama_dflash.server needs llama-cpp-python's server extras ({e.name} is missing): "
                       "pip install fastapi uvicorn sse-starlette pydantic-settings starlette-context") from None
 
-from .llama import Llama
+from .llama import Llama, openai_response_format
 
 
 class DFlashModelSettings(ModelSettings):
@@ -46,6 +46,7 @@ class DFlashModelSettings(ModelSettings):
     draft_p_min: float = Field(default=0.0, description="cut drafts at the first slot less confident than this")
     verify: Literal["match", "rejection"] = Field(default="match", description="T > 0 verification")
     speculation: Literal["on", "off", "auto"] = Field(default="on", description="speculate, never, or when faster")
+    grammar_aware_drafting: bool = Field(default=True, description="drafts walk the request's grammar / JSON schema")
 
 
 class DFlashSettings(ServerSettings, DFlashModelSettings):
@@ -63,7 +64,7 @@ def _make_llama(*args, **kwargs) -> Llama:
     s = _current.get()
     if s is not None:
         kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_p_min=s.draft_p_min,
-                      verify=s.verify, speculation=s.speculation)
+                      verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting)
     return Llama(*args, **kwargs)
 
 
@@ -109,6 +110,46 @@ def metrics_text() -> str:
     return "\n".join(lines) + "\n"
 
 
+class _OpenAIResponseFormat:
+    """ASGI middleware: a chat request's OpenAI ``response_format: {"type": "json_schema", ...}``
+    is rewritten to llama-cpp-python's json_object-with-schema form before the route validates
+    it (the route's request type knows only "text" and "json_object")."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        try:
+            data = json.loads(body)
+            rf = data.get("response_format")
+            if isinstance(rf, dict) and rf.get("type") == "json_schema":
+                data["response_format"] = openai_response_format(rf)
+                body = json.dumps(data).encode()
+        except (ValueError, AttributeError):
+            pass  # the route reports what is wrong with the request
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # e.g. the client's disconnect, for streaming responses
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.app({**scope, "headers": headers}, replay, send)
+
+
 def create_app(server_settings: ServerSettings | None = None, model_settings: list[ModelSettings] | None = None,
                settings: DFlashSettings | None = None):
     """llama-cpp-python's app with DFlash models and the two extra routes."""
@@ -119,6 +160,7 @@ def create_app(server_settings: ServerSettings | None = None, model_settings: li
         server_settings = ServerSettings.model_validate(settings.model_dump())
         model_settings = [DFlashModelSettings.model_validate(settings.model_dump())]
     app = _app.create_app(server_settings=server_settings, model_settings=model_settings)
+    app.add_middleware(_OpenAIResponseFormat)
 
     @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
     def metrics() -> str:
