@@ -6,7 +6,8 @@ Three measurements, all on the default target (SmolLM2-135M-Instruct Q4_0) and t
             recorded tokens), at 500 / 1000 / 2000 tokens, streaming and not, with a stop string:
             llama-cpp-python's _create_completion vs ours.
   memory    peak RSS of a 1000-token completion with logprobs=5 (a fresh process each):
-            llama_cpp.Llama needs logits_all=True (an n_ctx x n_vocab buffer); ours does not.
+            llama_cpp.Llama needs logits_all=True (an n_ctx x n_vocab buffer); ours does not;
+            and plain llama_cpp.Llama without logprobs, the floor.
   grammar   JSON-schema and forced tool-call chats, greedy: tau, acceptance, decode tok/s with
             grammar-aware drafting on and off, and plain llama_cpp.Llama's tok/s, prompt by prompt.
 
@@ -89,25 +90,26 @@ _MEM_CHILD = """
 import resource, sys, json
 import llama_cpp, llama_dflash
 kind, target, drafter = sys.argv[1:4]
-if kind == "plain":
-    llm = llama_cpp.Llama(target, n_ctx=4096, logits_all=True, verbose=False)
+lp = None if kind == "plain_no_logprobs" else 5
+if kind.startswith("plain"):
+    llm = llama_cpp.Llama(target, n_ctx=4096, logits_all=lp is not None, verbose=False)
 else:
     llm = llama_dflash.Llama(target, n_ctx=4096, verbose=False, draft_model_path=drafter)
 r = llm.create_completion("<|im_start|>user\\nWrite a long story about a robot.<|im_end|>\\n<|im_start|>assistant\\n",
-                          max_tokens=1000, logprobs=5, temperature=0.0)
+                          max_tokens=1000, logprobs=lp, temperature=0.0)
 print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "tokens": r["usage"]["completion_tokens"],
-                  "logprobs": len(r["choices"][0]["logprobs"]["token_logprobs"])}))
+                  "logprobs": len((r["choices"][0]["logprobs"] or {}).get("token_logprobs", []))}))
 """
 
 
 def memory(target: str, drafter: str) -> dict:
     out = {}
-    for kind in ("plain", "ours"):
+    for kind in ("plain", "ours", "plain_no_logprobs"):
         r = subprocess.run([sys.executable, "-c", _MEM_CHILD, kind, target, drafter], capture_output=True,
                            text=True, check=True)
         out[kind] = json.loads(r.stdout.strip().splitlines()[-1])
-        print(f"  {kind:5}: peak RSS {out[kind]['peak_rss_mib']:.0f} MiB "
+        print(f"  {kind:17}: peak RSS {out[kind]['peak_rss_mib']:.0f} MiB "
               f"({out[kind]['tokens']} tokens, {out[kind]['logprobs']} logprobs)", flush=True)
     return out
 
@@ -150,6 +152,23 @@ CASES = [
 ]
 
 
+def _tokens(llm) -> list[int]:
+    """What the last completion left evaluated: prompt + completion (but its last token)."""
+    return llm.input_ids[:llm.n_tokens].tolist()
+
+
+def divergence(plain, ref: list[int], got: list[int]) -> dict | None:
+    """Where `got` first leaves plain's tokens `ref`, and plain's logit gap there between its own
+    token and `got`'s (a near-tie when small: batched and single-token evaluation round apart)."""
+    i = next((k for k, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
+    if i is None:
+        return None
+    plain.reset()
+    plain.eval(ref[:i])
+    row = llama_cpp.llama_get_logits_ith(plain._ctx.ctx, -1)
+    return {"position": i, "plain_token": ref[i], "spec_token": got[i], "plain_logit_gap": row[ref[i]] - row[got[i]]}
+
+
 def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[dict]:
     plain = llama_cpp.Llama(target, n_ctx=2048, verbose=False)
     spec = llama_dflash.Llama(target, n_ctx=2048, verbose=False, draft_model_path=drafter, draft_n_max=n_draft)
@@ -163,6 +182,7 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
         plain.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
         t_plain = time.perf_counter() - t0
         n_tok = want["usage"]["completion_tokens"]
+        ref = _tokens(plain)
         # end-to-end tokens/s (prompt evaluation included, for all three)
         row = {"kind": kind, "prompt": prompt, "tokens": n_tok, "plain_tok_s": n_tok / t_plain}
         for aware in (True, False):
@@ -176,14 +196,17 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
                 (got["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function") == \
                 (want["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function")
             key = "aware" if aware else "blind"
+            row[f"{key}_divergence"] = None if same else divergence(plain, ref, _tokens(spec))
             row.update({f"{key}_tau": st.tau, f"{key}_acceptance": st.acceptance_rate, f"{key}_tok_s": n_tok / dt,
                         f"{key}_decode_tok_s": st.tokens_per_s, f"{key}_grammar_cut": st.grammar_cut,
                         f"{key}_grammar_skipped": st.grammar_skipped, f"{key}_same_as_plain": same})
         rows.append(row)
         print(f"  {kind:4} {n_tok:4d} tok | plain {row['plain_tok_s']:5.1f} tok/s | aware tau {row['aware_tau']:.2f} "
               f"acc {row['aware_acceptance']:.2f} {row['aware_tok_s']:5.1f} tok/s | blind tau {row['blind_tau']:.2f} "
-              f"acc {row['blind_acceptance']:.2f} {row['blind_tok_s']:5.1f} tok/s | same {row['aware_same_as_plain']}"
-              f"/{row['blind_same_as_plain']}", flush=True)
+              f"acc {row['blind_acceptance']:.2f} {row['blind_tok_s']:5.1f} tok/s | "
+              + " / ".join("same" if row[f"{k}_divergence"] is None else
+                           f"differs at {row[f'{k}_divergence']['position']} (gap "
+                           f"{row[f'{k}_divergence']['plain_logit_gap']:.3f})" for k in ("aware", "blind")), flush=True)
     spec.close()
     plain.close()
     return rows

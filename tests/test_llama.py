@@ -23,8 +23,14 @@ def pair(artifacts):
 
 
 def test_is_a_llama_and_validates_options(artifacts, pair):
+    import inspect
+
     _, spec = pair
     assert isinstance(spec, llama_cpp.Llama) and spec.draft_n_max == 7
+    for name in dir(llama_cpp.Llama):  # every public method keeps llama-cpp-python's signature
+        if not name.startswith("_") and callable(getattr(llama_cpp.Llama, name)):
+            assert inspect.signature(getattr(llama_dflash.Llama, name)) == \
+                inspect.signature(getattr(llama_cpp.Llama, name)), name
     with pytest.raises(TypeError, match="draft_n_maxx"):
         llama_dflash.Llama(artifacts["llama"]["target"], n_ctx=64, verbose=False, draft_n_maxx=3)
     with pytest.raises(ValueError, match="verify"):
@@ -199,3 +205,58 @@ def test_tools_and_json_schema_equal_plain(pair, aware):
         spec.grammar_aware_drafting = True
     with pytest.raises(ValueError, match="json_schema"):
         spec.create_chat_completion([{"role": "user", "content": "x"}], response_format={"type": "json_schema"})
+
+
+def test_prompt_cache_hit_keeps_speculating(artifacts):
+    """With a LlamaRAMCache, a hit restores the saved state and the request still speculates;
+    outputs equal llama_cpp.Llama's with the same cache."""
+    a = artifacts["llama"]
+    base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"])
+    for llm in (base, spec):
+        llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=1 << 30))
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + " return", PROMPTS[1]]
+    for p in prompts:
+        want = base.create_completion(p, max_tokens=12, temperature=0.0)
+        got = spec.create_completion(p, max_tokens=12, temperature=0.0)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], p
+        st = spec.last_speculative_stats
+        assert st.fallback_reason == "" and st.drafted > 0
+    assert len(spec.cache.cache_state) == len(base.cache.cache_state) >= 2
+    spec.close()
+    base.close()
+
+
+def test_context_filled_outside_the_loop_falls_back(pair):
+    """A chat handler that evaluates the prompt itself (multimodal: image / audio chunks go
+    straight into the context) is served by plain decoding from that context, reason recorded;
+    the next request speculates again."""
+    base, spec = pair
+    toks = spec.tokenize(PROMPTS[2].encode())
+    for llm in (base, spec):
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm.eval(toks)  # what Llava15ChatHandler does for text chunks (mtmd writes image chunks)
+    want = base.create_completion(base.input_ids[:base.n_tokens].tolist(), max_tokens=10, temperature=0.0)
+    got = spec.create_completion(spec.input_ids[:spec.n_tokens].tolist(), max_tokens=10, temperature=0.0)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert "multimodal" in spec.last_speculative_stats.fallback_reason
+    got = spec.create_completion(PROMPTS[3], max_tokens=10, temperature=0.0)
+    assert got["choices"][0]["text"] == base.create_completion(PROMPTS[3], max_tokens=10, temperature=0.0)[
+        "choices"][0]["text"]
+    assert spec.last_speculative_stats.fallback_reason == "" and spec.last_speculative_stats.drafted > 0
+
+
+def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
+    """A target whose memory cannot drop rejected positions (recurrent / hybrid) decodes plainly,
+    with the reason recorded (llama.cpp reports the kind; this tiny target is made to say so)."""
+    a = artifacts["llama"]
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_is_hybrid", lambda model: True)
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"])
+    monkeypatch.undo()
+    ref = llama_cpp.Llama(a["target"], n_ctx=128, verbose=False)
+    assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
+        ref("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert "cannot roll back" in llm.last_speculative_stats.fallback_reason
+    llm.close()
+    ref.close()

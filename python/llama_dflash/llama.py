@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import inspect
 import time
 from collections.abc import Iterator, Sequence
@@ -64,6 +65,8 @@ class SpeculativeTotals(Acceptance):
     accepted: int = 0
     tokens: int = 0
     t_decode_s: float = 0.0
+    grammar_cut: int = 0
+    grammar_skipped: int = 0
     fallback_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -128,6 +131,7 @@ class Llama(llama_cpp.Llama):
         self._drafter = self._capture = self._engine = None
         self._dflash_budget = -1
         self._unavailable: str | None = None
+        self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
         if draft_model_path is None:
             return
         err = _native.err_buf()
@@ -136,6 +140,9 @@ class Llama(llama_cpp.Llama):
         self.draft_n_max = info.block_size - 1 if draft_n_max is None else max(0, min(draft_n_max, info.block_size - 1))
         taps = ffi.new("int32_t[]", list(info.target_layers))
         model_c = _native.ptr("struct llama_model *", self._model.model)
+        if self._is_recurrent or self._is_hybrid:
+            self._unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+            return
         if not lib.dflash_target_has_layer_inp(model_c):
             # cb_eval capture must be in the context params: this Llama's context cannot get it.
             self._unavailable = "target architecture has no layer-input capture in a Llama context"
@@ -162,6 +169,7 @@ class Llama(llama_cpp.Llama):
             return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
         return completion.create_completion(self, prompt, None, max_tokens, **kwargs)
 
+    @functools.wraps(llama_cpp.Llama.create_chat_completion)  # same signature, docs
     def create_chat_completion(self, messages, *args, **kwargs):
         """llama_cpp.Llama.create_chat_completion; response_format may also take OpenAI's
         ``{"type": "json_schema", ...}`` form."""
@@ -170,11 +178,13 @@ class Llama(llama_cpp.Llama):
             bound.arguments["response_format"] = openai_response_format(bound.arguments["response_format"])
         return super().create_chat_completion(*bound.args[1:], **bound.kwargs)
 
+    @functools.wraps(llama_cpp.Llama.reset)
     def reset(self) -> None:
         super().reset()
         if getattr(self, "_engine", None) is not None:
             lib.dflash_engine_forget(self._engine)  # the next generation evaluates its prompt again
 
+    @functools.wraps(llama_cpp.Llama.load_state)
     def load_state(self, state) -> None:
         super().load_state(state)
         if self._engine is not None:
@@ -187,14 +197,18 @@ class Llama(llama_cpp.Llama):
             return "speculation off"
         if self._unavailable:
             return self._unavailable
+        if self._outside_eval:
+            # a chat handler (multimodal: image / audio chunks) filled the context itself
+            return "prompt evaluated outside the speculative loop (multimodal chunks)"
         if self._logits_all:
-            return "logits_all / logprobs"
+            return "logits_all (scores of every position)"
         if mirostat_mode:
             return "mirostat"
         if temp < 0:
             return "negative temperature"
         return None
 
+    @functools.wraps(llama_cpp.Llama.generate)
     def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
@@ -214,17 +228,18 @@ class Llama(llama_cpp.Llama):
                 tot.fallbacks += 1
                 tot.fallback_reasons[reason] = tot.fallback_reasons.get(reason, 0) + 1
             rows = self._dflash_rows
-            for t in super().generate(
-                    tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
-                    repeat_penalty=repeat_penalty, reset=reset, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
-                    mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
-                    logits_processor=logits_processor, stopping_criteria=stopping_criteria, grammar=grammar):
-                if rows is not None:  # the context still holds the row that produced t
-                    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1), (self._n_vocab,))
-                    rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
-                yield t
+            try:
+                yield from self._plain(rows, tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                       temp=temp, repeat_penalty=repeat_penalty, reset=reset,
+                                       frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                       tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                                       mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                       grammar=grammar)
+            finally:
+                self._outside_eval = False  # what the context holds is the base class's own again
             return
+
         toks = [int(t) for t in tokens]
         # Like the base generator, run until the caller stops (create_completion may read a few
         # tokens past max_tokens to complete a UTF-8 character); drafts stop at its max_tokens.
@@ -237,6 +252,22 @@ class Llama(llama_cpp.Llama):
                             grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify,
                             grammar_aware_drafting=self.grammar_aware_drafting)
         yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria)
+
+    def _plain(self, rows, tokens, **kw) -> Iterator[int]:
+        """The base class's generator; with logprobs asked for, each token's row is summarised
+        while the context still holds it."""
+        for t in super().generate(tokens, **kw):
+            if rows is not None:
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1), (self._n_vocab,))
+                rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
+            yield t
+
+    @functools.wraps(llama_cpp.Llama.eval)
+    def eval(self, tokens: Sequence[int]) -> None:
+        if self._engine is not None:
+            self._outside_eval = True  # the next generation must use what this put in the context
+            lib.dflash_engine_forget(self._engine)
+        super().eval(tokens)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None) -> Iterator[int]:
@@ -306,6 +337,8 @@ class Llama(llama_cpp.Llama):
         tot.accepted += s.accepted
         tot.tokens += s.n_generated
         tot.t_decode_s += s.t_total_s
+        tot.grammar_cut += s.grammar_cut
+        tot.grammar_skipped += s.grammar_skipped
 
     def close(self) -> None:
         self._engine = None  # before the context it drives
