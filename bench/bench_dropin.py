@@ -8,8 +8,10 @@ Three measurements, all on the default target (SmolLM2-135M-Instruct Q4_0) and t
   memory    peak RSS of a 1000-token completion with logprobs=5 (a fresh process each):
             llama_cpp.Llama needs logits_all=True (an n_ctx x n_vocab buffer); ours does not;
             and plain llama_cpp.Llama without logprobs, the floor.
-  grammar   JSON-schema and forced tool-call chats, greedy: tau, acceptance, decode tok/s with
-            grammar-aware drafting on and off, and plain llama_cpp.Llama's tok/s, prompt by prompt.
+  grammar   JSON-schema and forced tool-call chats, greedy: tau, acceptance, tok/s after the first
+            token with grammar-aware drafting on and off, and plain llama_cpp.Llama's, prompt by
+            prompt; where an output differs from plain's, plain's logit gap between the two tokens
+            there (plain's own evaluation order: a near-tie when small).
 
 Usage: python bench/bench_dropin.py [--only overhead,memory,grammar] [--out bench/results/dropin.json]
 """
@@ -29,6 +31,7 @@ from llama_cpp import _logger
 
 import llama_dflash
 from llama_dflash import completion
+from llama_dflash.llama import openai_response_format
 from llama_dflash.models import default_target, shipped_drafter
 
 _logger.set_verbose(False)
@@ -152,19 +155,30 @@ CASES = [
 ]
 
 
+def _timed(llm, msgs, kw, max_tokens: int) -> tuple[float, float]:
+    """(seconds to the first chunk, seconds after it) of one streamed greedy chat completion."""
+    t0 = time.perf_counter()
+    first = None
+    for _ in llm.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, stream=True, **kw):
+        first = first or time.perf_counter()
+    return first - t0, time.perf_counter() - first
+
+
 def _tokens(llm) -> list[int]:
     """What the last completion left evaluated: prompt + completion (but its last token)."""
     return llm.input_ids[:llm.n_tokens].tolist()
 
 
-def divergence(plain, ref: list[int], got: list[int]) -> dict | None:
+def divergence(plain, ref: list[int], got: list[int], n_prompt: int) -> dict | None:
     """Where `got` first leaves plain's tokens `ref`, and plain's logit gap there between its own
     token and `got`'s (a near-tie when small: batched and single-token evaluation round apart)."""
     i = next((k for k, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
     if i is None:
         return None
     plain.reset()
-    plain.eval(ref[:i])
+    plain.eval(ref[:n_prompt])  # as plain decoding did: the prompt in one batch, then token by token
+    for t in ref[n_prompt:i]:
+        plain.eval([t])
     row = llama_cpp.llama_get_logits_ith(plain._ctx.ctx, -1)
     return {"position": i, "plain_token": ref[i], "spec_token": got[i], "plain_logit_gap": row[ref[i]] - row[got[i]]}
 
@@ -175,30 +189,34 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
     rows = []
     for kind, prompt, kw in CASES:
         msgs = [{"role": "user", "content": prompt}]
+        # llama-cpp-python ignores OpenAI's json_schema form: give it the equivalent json_object
+        plain_kw = {**kw, "response_format": openai_response_format(kw["response_format"])} \
+            if "response_format" in kw else kw
         plain.reset()
-        want = plain.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
-        plain.reset()
-        t0 = time.perf_counter()
-        plain.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
-        t_plain = time.perf_counter() - t0
+        want = plain.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **plain_kw)
         n_tok = want["usage"]["completion_tokens"]
         ref = _tokens(plain)
-        # end-to-end tokens/s (prompt evaluation included, for all three)
-        row = {"kind": kind, "prompt": prompt, "tokens": n_tok, "plain_tok_s": n_tok / t_plain}
+        plain.reset()
+        t_first, t_rest = _timed(plain, msgs, plain_kw, max_tokens)
+        # tokens/s after the first token (prompt evaluation excluded), for all three
+        row = {"kind": kind, "prompt": prompt, "tokens": n_tok, "plain_tok_s": (n_tok - 1) / t_rest,
+               "plain_first_token_s": t_first}
         for aware in (True, False):
             spec.grammar_aware_drafting = aware
             spec.reset()  # no KV reuse from the previous run: the prompt is evaluated again, as for plain
-            t0 = time.perf_counter()
             got = spec.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
-            dt = time.perf_counter() - t0
             st = spec.last_speculative_stats
+            spec.reset()
+            t_first, t_rest = _timed(spec, msgs, kw, max_tokens)
+            n_got = len(_tokens(spec)) - st.n_prompt + 1
             same = got["choices"][0]["message"].get("content") == want["choices"][0]["message"].get("content") and \
                 (got["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function") == \
                 (want["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function")
             key = "aware" if aware else "blind"
-            row[f"{key}_divergence"] = None if same else divergence(plain, ref, _tokens(spec))
-            row.update({f"{key}_tau": st.tau, f"{key}_acceptance": st.acceptance_rate, f"{key}_tok_s": n_tok / dt,
-                        f"{key}_decode_tok_s": st.tokens_per_s, f"{key}_grammar_cut": st.grammar_cut,
+            row[f"{key}_divergence"] = None if same else divergence(plain, ref, _tokens(spec), st.n_prompt)
+            row.update({f"{key}_tau": st.tau, f"{key}_acceptance": st.acceptance_rate,
+                        f"{key}_tok_s": (n_got - 1) / t_rest, f"{key}_first_token_s": t_first,
+                        f"{key}_grammar_cut": st.grammar_cut,
                         f"{key}_grammar_skipped": st.grammar_skipped, f"{key}_same_as_plain": same})
         rows.append(row)
         print(f"  {kind:4} {n_tok:4d} tok | plain {row['plain_tok_s']:5.1f} tok/s | aware tau {row['aware_tau']:.2f} "
@@ -221,8 +239,14 @@ def main() -> None:
     a = ap.parse_args()
     target, drafter = str(default_target()), str(shipped_drafter())
     parts = a.only.split(",")
-    res = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "llama_cpp_python": llama_cpp.__version__, "command": " ".join(sys.argv)}
+    # parts not run this time keep their earlier results; each part records its own command and date
+    out = Path(a.out)
+    res = json.loads(out.read_text()) if out.is_file() else {}
+    res.update({"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+                "llama_cpp_python": llama_cpp.__version__})
+    res.setdefault("runs", {}).update({p: {"command": "python " + " ".join(sys.argv),
+                                           "date": time.strftime("%Y-%m-%d %H:%M")} for p in parts})
+    res.pop("command", None)
     if "overhead" in parts:
         print("completion loop overhead (replayed tokens, no model work):")
         res["overhead"] = overhead(target)

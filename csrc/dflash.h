@@ -222,6 +222,7 @@ struct dflash_stats {
     int32_t n_reused;      /* prompt tokens whose KV was kept from the previous generation */
     int32_t grammar_cut;   /* drafts the grammar ended early (no allowed candidate at a slot) */
     int32_t grammar_skipped; /* draft slots whose best candidate the grammar forbade (replaced) */
+    int32_t grammar_argmax;  /* rows whose raw argmax the grammar allowed (no full-vocabulary pass) */
 };
 
 enum dflash_verify_mode {
@@ -248,10 +249,17 @@ struct dflash_engine_params {
                               on wastes no verification */
     float    temperature;  /* REJECTION: temperature of the drafter's q */
     uint64_t seed;         /* REJECTION: seed of the accept / resample draws */
-    /* Grammar-aware drafting (optional): the request's grammar sampler, whose state is the
-     * committed tokens (e.g. llama_sampler_chain_get(sampler, i)).  Each draft walks a clone
-     * of it: forbidden candidates are skipped and the draft ends where nothing is allowed. */
+    /* The request's grammar sampler inside `sampler` (e.g. llama_sampler_chain_get(sampler, i)),
+     * whose state is the committed tokens; NULL: none.  grammar_drafts: each draft walks a
+     * clone of it (forbidden candidates are skipped, the draft ends where nothing is allowed).
+     * grammar_argmax: MATCH at T = 0 where the grammar is the chain's only transform before
+     * its greedy pick: a row's raw argmax, when the grammar allows it, is what the chain would
+     * pick, so the chain (a grammar check of the whole vocabulary) runs only when it does not. */
     struct llama_sampler * grammar;
+    bool     grammar_drafts;
+    bool     grammar_argmax;
+    int32_t  n_min;        /* a draft shorter than this (after p_min / grammar cuts) is dropped:
+                              the step verifies the anchor alone (0 = keep every draft) */
 };
 
 /* State after one verify step, for tracing and invariant checks. */

@@ -233,26 +233,7 @@ static int32_t sample_dense(const float * w, int32_t n, double total, struct dfl
     return last >= 0 ? last : 0;
 }
 
-// One committed token of row `row` (match: the chain samples it and accepts it into
-// its own state).  margin (optional): the row's raw top-1 minus top-2 logit.
-static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_params * prm, int32_t row,
-                          float * margin) {
-    if (prm->mode != DFLASH_VERIFY_GREEDY && margin) {
-        argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
-    }
-    if (prm->mode == DFLASH_VERIFY_MATCH) {
-        return llama_sampler_sample(prm->sampler, e->ctx, row);
-    }
-    if (prm->mode == DFLASH_VERIFY_REJECTION) {
-        target_probs(e, row, prm->sampler);
-        const int32_t tok = sample_dense(e->p, e->n_vocab, 1.0, &e->rng);
-        if (prm->sampler) llama_sampler_accept(prm->sampler, tok);
-        return tok;
-    }
-    return argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
-}
-
-// Grammar-aware drafting: may `token` follow what the cloned grammar has accepted?
+// May `token` follow what the grammar has accepted?  (A one-candidate apply: no state change.)
 static bool grammar_allowed(void * grammar, int32_t token) {
     llama_token_data one = { token, 0.0f, 0.0f };
     llama_token_data_array arr = { &one, 1, -1, false };
@@ -262,6 +243,33 @@ static bool grammar_allowed(void * grammar, int32_t token) {
 
 static void grammar_accept(void * grammar, int32_t token) {
     llama_sampler_accept((struct llama_sampler *) grammar, token);
+}
+
+// One committed token of row `row` (match: the chain samples it and accepts it into
+// its own state).  margin (optional): the row's raw top-1 minus top-2 logit.
+static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_params * prm, int32_t row,
+                          float * margin) {
+    if (prm->mode != DFLASH_VERIFY_GREEDY && margin) {
+        argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
+    }
+    if (prm->mode == DFLASH_VERIFY_MATCH) {
+        if (prm->grammar_argmax && prm->grammar) {
+            const int32_t best = argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, NULL);
+            if (grammar_allowed(prm->grammar, best)) {
+                e->stats.grammar_argmax++;
+                llama_sampler_accept(prm->sampler, best);
+                return best;
+            }
+        }
+        return llama_sampler_sample(prm->sampler, e->ctx, row);
+    }
+    if (prm->mode == DFLASH_VERIFY_REJECTION) {
+        target_probs(e, row, prm->sampler);
+        const int32_t tok = sample_dense(e->p, e->n_vocab, 1.0, &e->rng);
+        if (prm->sampler) llama_sampler_accept(prm->sampler, tok);
+        return tok;
+    }
+    return argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
 }
 
 static int32_t target_len(const struct dflash_engine * e) {
@@ -413,7 +421,7 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     int32_t n_drafted = 0;
     struct dflash_token_filter grammar_filter = { grammar_allowed, grammar_accept, NULL, 0, false };
     struct dflash_token_filter * gf = NULL;
-    if (n > 0 && params->grammar) {
+    if (n > 0 && params->grammar && params->grammar_drafts) {
         // the draft walks a clone of the grammar; the chain's own state moves only on commits
         grammar_filter.ud = llama_sampler_clone(params->grammar);
         gf = grammar_filter.ud ? &grammar_filter : NULL;
@@ -453,6 +461,7 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
             st->grammar_skipped += gf->n_skipped;
             llama_sampler_free(gf->ud);
         }
+        if (n_drafted < params->n_min) n_drafted = 0; // too short to pay for its verification
     }
     const double tb = dflash_now();
 

@@ -267,3 +267,32 @@ def test_dflash2_walk_skips_forbidden_candidates(artifacts, v2_drafter):
                 skipped += r.stats.grammar_skipped
                 cut += r.stats.grammar_cut
             assert (skipped + cut > 0) == aware
+
+
+def test_greedy_grammar_checks_the_argmax_first(artifacts):
+    """Greedy with a grammar: a row whose raw argmax the grammar allows is settled without the
+    chain's full-vocabulary grammar pass; the output is still llama_cpp.Llama's."""
+    import llama_cpp
+
+    from llama_dflash import SamplingParams
+
+    a = artifacts["llama"]
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= [a-z ]+ ("." | "!") [ \\n]*', verbose=False)
+    llm = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    hits = rows = 0
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256) as g:
+        for p in PROMPTS[:8]:
+            toks = g.tokenize(p)
+            llm.reset()
+            ref = []
+            for t in llm.generate(toks, temp=0.0, grammar=grammar):
+                ref.append(t)
+                if len(ref) == 24:
+                    break
+            for n in (0, 3):
+                r = g.generate(toks, 24, draft_len=n, stop_on_eos=False,
+                               sampling=SamplingParams(temperature=0.0, grammar=grammar))
+                assert r.tokens == ref, (p, n)
+                hits += r.stats.grammar_argmax
+                rows += r.stats.n_generated
+    assert 0 < hits < rows  # both paths were taken: allowed argmax, and the full chain

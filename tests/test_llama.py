@@ -260,3 +260,36 @@ def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
     assert "cannot roll back" in llm.last_speculative_stats.fallback_reason
     llm.close()
     ref.close()
+
+
+def test_draft_n_min_drops_short_drafts(artifacts):
+    """draft_n_min: a draft shorter than it (here: a source proposing 0-4 tokens) is not
+    verified; longer ones are; output unchanged."""
+    from llama_dflash._native import ffi, lib
+
+    a = artifacts["llama"]
+    base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    want = base.create_completion(PROMPTS[0], max_tokens=40, temperature=0.0)
+    ref = base.tokenize(PROMPTS[0].encode()) + base.tokenize(want["choices"][0]["text"].encode(), add_bos=False)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_min=3)
+    calls = []
+
+    @ffi.callback("dflash_draft_fn")
+    def source(_ud, hist, n_hist, n, out):
+        k = min(n, len(calls) % 5)
+        calls.append(k)
+        for i in range(k):
+            out[i] = ref[n_hist + i] if n_hist + i < len(ref) else 0
+        return k
+
+    lib.dflash_engine_set_draft_fn(spec._engine, source, ffi.NULL)
+    got = spec.create_completion(PROMPTS[0], max_tokens=40, temperature=0.0)
+    lib.dflash_engine_set_draft_fn(spec._engine, ffi.NULL, ffi.NULL)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    st = spec.last_speculative_stats
+    assert {1, 2, 3, 4} <= set(calls) and st.drafted == sum(k for k in calls if k >= 3) > 0
+    assert st.per_position_drafted[0] == st.per_position_drafted[2]  # never a 1- or 2-token draft
+    with pytest.raises(ValueError, match="draft_n_min"):
+        llama_dflash.Llama(a["target"], n_ctx=64, verbose=False, draft_n_min=-1)
+    spec.close()
+    base.close()

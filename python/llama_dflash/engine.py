@@ -15,7 +15,7 @@ from llama_cpp import _logger
 from . import _native
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter, DrafterInfo, check_file
-from .sampling import MODE_NAMES, SamplingParams, draft_grammar, verification
+from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import SpecStats
 
 DraftSource = Callable[[Sequence[int], int], Sequence[int]]
@@ -315,7 +315,7 @@ class SpeculativeGenerator:
         rq.params = ffi.new("struct dflash_engine_params *",
                             {"n_draft": draft_len, "max_tokens": max_tokens, "stop_on_eos": stop_on_eos,
                              "mode": mode, "temperature": sp.temperature, "seed": seed, "p_min": p_min,
-                             "reuse_prefix": reuse_prefix, "grammar": draft_grammar(sp, chain),
+                             "reuse_prefix": reuse_prefix, **grammar_params(sp, chain),
                              "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         rq.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
         lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)

@@ -25,7 +25,7 @@ from . import _native, completion
 from ._native import ffi, lib
 from .drafter import DFlashError, Drafter
 from .engine import engine_steps
-from .sampling import MODE_NAMES, SamplingParams, draft_grammar, verification
+from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import Acceptance, SpecStats
 
 
@@ -50,7 +50,7 @@ def openai_response_format(response_format):
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
-_OPTIONS = {"draft_model_path", "draft_n_max", "draft_p_min", "verify", "speculation", "speculative",
+_OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
             "grammar_aware_drafting"}
 
 
@@ -85,6 +85,7 @@ class Llama(llama_cpp.Llama):
 
     draft_model_path: the drafter GGUF (None: plain llama_cpp.Llama behaviour).
     draft_n_max: tokens drafted per step (default and maximum: the drafter's block - 1).
+    draft_n_min: drop drafts shorter than this (after the p_min / grammar cuts): verify alone.
     draft_p_min: cut drafts at the first slot less confident than this.
     verify: "match" (seeded output identical to plain decoding) or "rejection"
     (speculative sampling with the drafter's q: same distribution, other random stream).
@@ -101,8 +102,8 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
-                 draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on", speculative=None,
-                 grammar_aware_drafting: bool = True, **kwargs) -> None:
+                 draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on",
+                 speculative=None, grammar_aware_drafting: bool = True, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -110,12 +111,15 @@ class Llama(llama_cpp.Llama):
             draft_model_path = getattr(speculative, "draft_model_path", None) or draft_model_path
             draft_n_max = getattr(speculative, "draft_n_max", None) or draft_n_max
             draft_p_min = getattr(speculative, "draft_p_min", None) or draft_p_min
+            draft_n_min = getattr(speculative, "draft_n_min", None) or draft_n_min
         unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif")) and k not in _BASE_PARAMS]
         if draft_model_path is not None and kwargs.get("draft_model") is not None:
             raise ValueError("draft_model (llama-cpp-python's prompt-lookup drafter) and a DFlash drafter "
                              "(draft_model_path) cannot be combined: pass one")
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
+        if not isinstance(draft_n_min, int) or draft_n_min < 0:
+            raise ValueError(f"draft_n_min must be an integer >= 0, got {draft_n_min!r}")
         if verify not in ("match", "rejection"):
             raise ValueError(f"verify must be 'match' or 'rejection', got {verify!r}")
         if speculation not in ("on", "off", "auto"):
@@ -124,6 +128,7 @@ class Llama(llama_cpp.Llama):
         self.verify = verify
         self.speculation = speculation
         self.draft_p_min = draft_p_min
+        self.draft_n_min = draft_n_min
         self.grammar_aware_drafting = bool(grammar_aware_drafting)
         self._dflash_rows = None  # (list, n): the completion loop asked for per-token logprobs
         self.last_speculative_stats: SpecStats | None = None
@@ -262,9 +267,15 @@ class Llama(llama_cpp.Llama):
                 rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
             yield t
 
+    @functools.wraps(llama_cpp.Llama.embed)
+    def embed(self, *args, **kwargs):
+        if getattr(self, "_engine", None) is not None:
+            lib.dflash_engine_forget(self._engine)  # embedding clears the KV cache
+        return super().embed(*args, **kwargs)
+
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
-        if self._engine is not None:
+        if getattr(self, "_engine", None) is not None:
             self._outside_eval = True  # the next generation must use what this put in the context
             lib.dflash_engine_forget(self._engine)
         super().eval(tokens)
@@ -273,9 +284,10 @@ class Llama(llama_cpp.Llama):
                    stopping_criteria=None) -> Iterator[int]:
         mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab, history=toks)
         params = ffi.new("struct dflash_engine_params *", {
-            "n_draft": self.draft_n_max, "max_tokens": max_tokens, "stop_on_eos": True, "mode": mode,
+            "n_draft": self.draft_n_max, "n_min": self.draft_n_min, "max_tokens": max_tokens, "stop_on_eos": True,
+            "mode": mode,
             "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
-            "reuse_prefix": True, "grammar": draft_grammar(sp, chain),
+            "reuse_prefix": True, **grammar_params(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         rows = self._dflash_rows
 

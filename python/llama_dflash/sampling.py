@@ -139,9 +139,14 @@ def verification(p: SamplingParams, model, vocab, n_vocab: int, history: Sequenc
     return 2, build_chain(p, model, vocab, n_vocab, with_dist=False, history=history)
 
 
-def draft_grammar(p: SamplingParams, chain):
-    """The engine's ``grammar`` parameter: the chain's grammar sampler (a cffi pointer) when
-    drafts should walk the grammar, else NULL."""
-    if chain is None or chain.grammar_index < 0 or not p.grammar_aware_drafting:
-        return ffi.NULL
-    return ptr("struct llama_sampler *", llama_cpp.llama_sampler_chain_get(chain.sampler, chain.grammar_index))
+def grammar_params(p: SamplingParams, chain) -> dict:
+    """The engine's grammar fields: the chain's grammar sampler (a cffi pointer, or NULL), whether
+    drafts walk it, and whether a row's raw argmax may be checked against it alone (greedy with
+    no other transform: then the chain would pick that argmax whenever the grammar allows it)."""
+    if chain is None or chain.grammar_index < 0:
+        return {"grammar": ffi.NULL, "grammar_drafts": False, "grammar_argmax": False}
+    only_grammar = (p.temperature == 0 and p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
+                    and p.presence_penalty == 0.0 and not p.logit_bias and not p.logits_processor)
+    return {"grammar": ptr("struct llama_sampler *", llama_cpp.llama_sampler_chain_get(chain.sampler,
+                                                                                      chain.grammar_index)),
+            "grammar_drafts": p.grammar_aware_drafting, "grammar_argmax": only_grammar}

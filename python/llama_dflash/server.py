@@ -43,6 +43,7 @@ class DFlashModelSettings(ModelSettings):
     # typing.Optional: llama-cpp-python's argparse bridge understands Union, not the | syntax
     draft_model_path: Optional[str] = Field(default=None, description="DFlash / DFlash2 drafter GGUF")  # noqa: UP045
     draft_n_max: Optional[int] = Field(default=None, description="tokens drafted per step (default: block - 1)")  # noqa: UP045
+    draft_n_min: int = Field(default=0, description="drop drafts shorter than this")
     draft_p_min: float = Field(default=0.0, description="cut drafts at the first slot less confident than this")
     verify: Literal["match", "rejection"] = Field(default="match", description="T > 0 verification")
     speculation: Literal["on", "off", "auto"] = Field(default="on", description="speculate, never, or when faster")
@@ -63,7 +64,8 @@ _current: contextvars.ContextVar[DFlashModelSettings | None] = contextvars.Conte
 def _make_llama(*args, **kwargs) -> Llama:
     s = _current.get()
     if s is not None:
-        kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_p_min=s.draft_p_min,
+        kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_n_min=s.draft_n_min,
+                      draft_p_min=s.draft_p_min,
                       verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting)
     return Llama(*args, **kwargs)
 

@@ -51,6 +51,7 @@ class SpecStats(Acceptance):
     fallback_reason: str = ""
     grammar_cut: int = 0      # drafts the grammar ended early (grammar-aware drafting)
     grammar_skipped: int = 0  # draft slots whose best candidate the grammar forbade (replaced)
+    grammar_argmax: int = 0   # greedy rows settled by checking the raw argmax against the grammar alone
 
     @property
     def t_other_s(self) -> float:
@@ -72,6 +73,7 @@ class SpecStats(Acceptance):
             n_reused=st.n_reused,
             grammar_cut=st.grammar_cut,
             grammar_skipped=st.grammar_skipped,
+            grammar_argmax=st.grammar_argmax,
             n_generated=st.n_generated,
             steps=st.steps,
             drafted=st.drafted,
