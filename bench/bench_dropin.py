@@ -9,9 +9,10 @@ Three measurements, all on the default target (SmolLM2-135M-Instruct Q4_0) and t
             llama_cpp.Llama needs logits_all=True (an n_ctx x n_vocab buffer); ours does not;
             and plain llama_cpp.Llama without logprobs, the floor.
   grammar   JSON-schema and forced tool-call chats, greedy: tau, acceptance, tok/s after the first
-            token with grammar-aware drafting on and off, and plain llama_cpp.Llama's, prompt by
-            prompt; where an output differs from plain's, plain's logit gap between the two tokens
-            there (plain's own evaluation order: a near-tie when small).
+            token with grammar-aware drafting on and off, our loop without drafts, and plain
+            llama_cpp.Llama's, prompt by prompt; where an output differs from plain's, plain
+            llama-cpp-python's logit gap between the two tokens there, one token per decode and
+            in the speculative run's own verify batches.
 
 Usage: python bench/bench_dropin.py [--only overhead,memory,grammar] [--out bench/results/dropin.json]
 """
@@ -31,6 +32,7 @@ from llama_cpp import _logger
 
 import llama_dflash
 from llama_dflash import completion
+from llama_dflash._native import ffi, lib
 from llama_dflash.llama import openai_response_format
 from llama_dflash.models import default_target, shipped_drafter
 
@@ -169,23 +171,57 @@ def _tokens(llm) -> list[int]:
     return llm.input_ids[:llm.n_tokens].tolist()
 
 
-def divergence(plain, ref: list[int], got: list[int], n_prompt: int) -> dict | None:
-    """Where `got` first leaves plain's tokens `ref`, and plain's logit gap there between its own
-    token and `got`'s (a near-tie when small: batched and single-token evaluation round apart)."""
+def divergence(plain, checker, ref: list[int], got: list[int], n_prompt: int, steps: list[dict]) -> dict | None:
+    """Where `got` first leaves plain's tokens `ref`, and the logit gap there (plain's token minus
+    the speculative one) as plain llama-cpp-python computes it twice: one token per llama_decode,
+    as plain decoding did, and in the speculative run's own verify batches (same positions and
+    sizes; stand-ins for the rejected drafts are dropped again after each).  A positive first and
+    negative second gap means llama.cpp's batch numerics chose the token: a certified near-tie,
+    no DFlash code involved."""
     i = next((k for k, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
     if i is None:
         return None
     plain.reset()
-    plain.eval(ref[:n_prompt])  # as plain decoding did: the prompt in one batch, then token by token
+    plain.eval(ref[:n_prompt])
     for t in ref[n_prompt:i]:
         plain.eval([t])
     row = llama_cpp.llama_get_logits_ith(plain._ctx.ctx, -1)
-    return {"position": i, "plain_token": ref[i], "spec_token": got[i], "plain_logit_gap": row[ref[i]] - row[got[i]]}
+    gap_plain = row[ref[i]] - row[got[i]]
+    gap_batches = None
+    checker.reset()
+    checker.eval(got[:n_prompt])
+    for st in steps:
+        start, size = st["committed"] - st["accepted"] - 2, st["drafted"] + 1
+        batch = got[start:start + size]
+        checker.eval(batch + [got[-1]] * (size - len(batch)))
+        if start <= i - 1 < start + size:
+            r = checker.scores[i - 1]
+            gap_batches = float(r[ref[i]] - r[got[i]])
+            break
+        keep = start + st["accepted"] + 1
+        checker._ctx.kv_cache_seq_rm(-1, keep, -1)
+        checker.n_tokens = keep
+    return {"position": i - n_prompt, "plain_token": ref[i], "spec_token": got[i],
+            "plain_logit_gap": float(gap_plain), "spec_batches_logit_gap": gap_batches,
+            "certified_near_tie": gap_batches is not None and gap_batches < 0 <= gap_plain}
+
+
+def _describe(d: dict) -> str:
+    b = d["spec_batches_logit_gap"]
+    return (f"differs at token {d['position']}: plain gap {d['plain_logit_gap']:.3f}, "
+            + (f"{b:.3f} in the speculative batches" if b is not None else "batches not replayed")
+            + (" (certified)" if d["certified_near_tie"] else " (NOT explained)"))
 
 
 def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[dict]:
     plain = llama_cpp.Llama(target, n_ctx=2048, verbose=False)
     spec = llama_dflash.Llama(target, n_ctx=2048, verbose=False, draft_model_path=drafter, draft_n_max=n_draft)
+    checker = llama_cpp.Llama(target, n_ctx=2048, verbose=False, logits_all=True)  # every row of a batch
+    steps: list[dict] = []
+
+    @ffi.callback("dflash_step_fn")
+    def on_step(_ud, st):
+        steps.append({"drafted": st.drafted, "accepted": st.accepted, "committed": st.committed})
     rows = []
     for kind, prompt, kw in CASES:
         msgs = [{"role": "user", "content": prompt}]
@@ -201,32 +237,39 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
         # tokens/s after the first token (prompt evaluation excluded), for all three
         row = {"kind": kind, "prompt": prompt, "tokens": n_tok, "plain_tok_s": (n_tok - 1) / t_rest,
                "plain_first_token_s": t_first}
-        for aware in (True, False):
-            spec.grammar_aware_drafting = aware
+        # "loop": our loop without drafts -- what the argmax-first grammar check alone gives
+        for key, aware, n in (("aware", True, n_draft), ("blind", False, n_draft), ("loop", True, 0)):
+            spec.grammar_aware_drafting, spec.draft_n_max = aware, n
             spec.reset()  # no KV reuse from the previous run: the prompt is evaluated again, as for plain
+            steps.clear()
+            lib.dflash_engine_set_step_fn(spec._engine, on_step, ffi.NULL)
             got = spec.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
+            lib.dflash_engine_set_step_fn(spec._engine, ffi.NULL, ffi.NULL)
             st = spec.last_speculative_stats
+            got_tokens = _tokens(spec)
             spec.reset()
             t_first, t_rest = _timed(spec, msgs, kw, max_tokens)
             n_got = len(_tokens(spec)) - st.n_prompt + 1
             same = got["choices"][0]["message"].get("content") == want["choices"][0]["message"].get("content") and \
                 (got["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function") == \
                 (want["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function")
-            key = "aware" if aware else "blind"
-            row[f"{key}_divergence"] = None if same else divergence(plain, ref, _tokens(spec), st.n_prompt)
+            row[f"{key}_divergence"] = None if same else divergence(plain, checker, ref, got_tokens, st.n_prompt,
+                                                                     steps)
             row.update({f"{key}_tau": st.tau, f"{key}_acceptance": st.acceptance_rate,
                         f"{key}_tok_s": (n_got - 1) / t_rest, f"{key}_first_token_s": t_first,
                         f"{key}_grammar_cut": st.grammar_cut,
-                        f"{key}_grammar_skipped": st.grammar_skipped, f"{key}_same_as_plain": same})
+                        f"{key}_grammar_skipped": st.grammar_skipped, f"{key}_grammar_argmax": st.grammar_argmax,
+                        f"{key}_same_as_plain": same})
         rows.append(row)
-        print(f"  {kind:4} {n_tok:4d} tok | plain {row['plain_tok_s']:5.1f} tok/s | aware tau {row['aware_tau']:.2f} "
+        print(f"  {kind:4} {n_tok:4d} tok | plain {row['plain_tok_s']:5.1f} | loop, no drafts {row['loop_tok_s']:5.1f} "
+              f"tok/s | aware tau {row['aware_tau']:.2f} "
               f"acc {row['aware_acceptance']:.2f} {row['aware_tok_s']:5.1f} tok/s | blind tau {row['blind_tau']:.2f} "
               f"acc {row['blind_acceptance']:.2f} {row['blind_tok_s']:5.1f} tok/s | "
-              + " / ".join("same" if row[f"{k}_divergence"] is None else
-                           f"differs at {row[f'{k}_divergence']['position']} (gap "
-                           f"{row[f'{k}_divergence']['plain_logit_gap']:.3f})" for k in ("aware", "blind")), flush=True)
+              + " / ".join("same" if row[f"{k}_divergence"] is None else _describe(row[f"{k}_divergence"])
+                           for k in ("aware", "blind", "loop")), flush=True)
     spec.close()
     plain.close()
+    checker.close()
     return rows
 
 

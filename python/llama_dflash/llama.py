@@ -176,8 +176,7 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.create_chat_completion)  # same signature, docs
     def create_chat_completion(self, messages, *args, **kwargs):
-        """llama_cpp.Llama.create_chat_completion; response_format may also take OpenAI's
-        ``{"type": "json_schema", ...}`` form."""
+        # response_format may also take OpenAI's {"type": "json_schema", ...} form
         bound = _CHAT_SIGNATURE.bind(self, messages, *args, **kwargs)
         if "response_format" in bound.arguments:
             bound.arguments["response_format"] = openai_response_format(bound.arguments["response_format"])
