@@ -33,6 +33,7 @@ from llama_cpp import _logger
 import llama_dflash
 from llama_dflash import completion
 from llama_dflash._native import ffi, lib
+from llama_dflash.certify import certify
 from llama_dflash.llama import openai_response_format
 from llama_dflash.models import default_target, shipped_drafter
 
@@ -171,46 +172,11 @@ def _tokens(llm) -> list[int]:
     return llm.input_ids[:llm.n_tokens].tolist()
 
 
-def divergence(plain, checker, ref: list[int], got: list[int], n_prompt: int, steps: list[dict]) -> dict | None:
-    """Where `got` first leaves plain's tokens `ref`, and the logit gap there (plain's token minus
-    the speculative one) as plain llama-cpp-python computes it twice: one token per llama_decode,
-    as plain decoding did, and in the speculative run's own verify batches (same positions and
-    sizes; stand-ins for the rejected drafts are dropped again after each).  A positive first and
-    negative second gap means llama.cpp's batch numerics chose the token: a certified near-tie,
-    no DFlash code involved."""
-    i = next((k for k, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
-    if i is None:
-        return None
-    plain.reset()
-    plain.eval(ref[:n_prompt])
-    for t in ref[n_prompt:i]:
-        plain.eval([t])
-    row = llama_cpp.llama_get_logits_ith(plain._ctx.ctx, -1)
-    gap_plain = row[ref[i]] - row[got[i]]
-    gap_batches = None
-    checker.reset()
-    checker.eval(got[:n_prompt])
-    for st in steps:
-        start, size = st["committed"] - st["accepted"] - 2, st["drafted"] + 1
-        batch = got[start:start + size]
-        checker.eval(batch + [got[-1]] * (size - len(batch)))
-        if start <= i - 1 < start + size:
-            r = checker.scores[i - 1]
-            gap_batches = float(r[ref[i]] - r[got[i]])
-            break
-        keep = start + st["accepted"] + 1
-        checker._ctx.kv_cache_seq_rm(-1, keep, -1)
-        checker.n_tokens = keep
-    return {"position": i - n_prompt, "plain_token": ref[i], "spec_token": got[i],
-            "plain_logit_gap": float(gap_plain), "spec_batches_logit_gap": gap_batches,
-            "certified_near_tie": gap_batches is not None and gap_batches < 0 <= gap_plain}
-
-
 def _describe(d: dict) -> str:
-    b = d["spec_batches_logit_gap"]
-    return (f"differs at token {d['position']}: plain gap {d['plain_logit_gap']:.3f}, "
+    b = d["gap_in_spec_batches"]
+    return (f"differs at token {d['position']}: plain gap {d['gap_one_by_one']:.3f}, "
             + (f"{b:.3f} in the speculative batches" if b is not None else "batches not replayed")
-            + (" (certified)" if d["certified_near_tie"] else " (NOT explained)"))
+            + (" (certified)" if d["certified"] else " (NOT explained)"))
 
 
 def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[dict]:
@@ -253,8 +219,7 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
             same = got["choices"][0]["message"].get("content") == want["choices"][0]["message"].get("content") and \
                 (got["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function") == \
                 (want["choices"][0]["message"].get("tool_calls") or [{}])[0].get("function")
-            row[f"{key}_divergence"] = None if same else divergence(plain, checker, ref, got_tokens, st.n_prompt,
-                                                                     steps)
+            row[f"{key}_divergence"] = None if same else certify(checker, ref, got_tokens, st.n_prompt, steps)
             row.update({f"{key}_tau": st.tau, f"{key}_acceptance": st.acceptance_rate,
                         f"{key}_tok_s": (n_got - 1) / t_rest, f"{key}_first_token_s": t_first,
                         f"{key}_grammar_cut": st.grammar_cut,

@@ -26,6 +26,7 @@ import llama_cpp
 from llama_cpp import _logger
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
+from llama_dflash.certify import certify
 from llama_dflash.cli import divergence_report
 from llama_dflash.models import default_target, shipped_drafter
 from llama_dflash.prompts import chatml, humaneval_prompts
@@ -71,14 +72,18 @@ def main() -> None:
     probs = humaneval_prompts()[: a.problems]
     llm = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=threads)
+    # plain llama-cpp-python keeping every row's logits: replays a divergent run's verify batches
+    checker = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=threads, logits_all=True, verbose=False)
     agg: dict[str, dict] = {}
 
     def add(key: str, n_tok: int, secs: float, stats=None) -> None:
         d = agg.setdefault(key, {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0,
-                                 "pos_drafted": [], "pos_accepted": []})
+                                 "pos_drafted": [], "pos_accepted": [], "t_draft": 0.0, "t_verify": 0.0})
         d["tokens"] += n_tok
         d["seconds"] += secs
         if stats is not None:
+            d["t_draft"] += stats.t_draft_s
+            d["t_verify"] += stats.t_verify_s
             d["drafted"] += stats.drafted
             d["accepted"] += stats.accepted
             d["steps"] += stats.steps
@@ -98,7 +103,7 @@ def main() -> None:
         ref, secs = plain_llama_cpp(llm, toks, a.tokens, 0.0, 0)
         add("llama_cpp_greedy", max(0, len(ref) - 1), secs)
         r = g.generate(toks, a.tokens, draft_len=0)
-        add("ours_plain_greedy", max(0, r.stats.n_generated - 1), r.stats.t_total_s)
+        add("ours_plain_greedy", max(0, r.stats.n_generated - 1), r.stats.t_total_s, r.stats)
         pm = None  # the plain run with logit margins, computed once if some n diverges
         for n in ns:
             r = g.generate(toks, a.tokens, draft_len=n)
@@ -108,10 +113,12 @@ def main() -> None:
             else:
                 if pm is None:
                     pm = g.generate(toks, a.tokens, draft_len=0, return_margins=True)
-                sm = g.generate(toks, a.tokens, draft_len=n, return_margins=True)
-                rep = divergence_report(g, pm, sm, 0.1)
+                steps: list[dict] = []
+                sm = g.generate(toks, a.tokens, draft_len=n, return_margins=True, on_step=steps.append)
+                replay = certify(checker, toks + pm.tokens, toks + sm.tokens, len(toks), steps)
+                rep = divergence_report(g, pm, sm, 0.1, replay=replay)
                 divergences.append({"problem": p.key, "n": n, **{k: rep.get(k) for k in
-                                    ("identical", "position", "plain_margin", "spec_margin", "verdict")}})
+                                    ("identical", "position", "plain_margin", "spec_margin", "verdict", "replay")}})
         ref_s, secs = plain_llama_cpp(llm, toks, a.tokens, SAMPLING["temperature"], 1000 + i)
         add("llama_cpp_t0.7", max(0, len(ref_s) - 1), secs)
         for mode in ("match", "rejection"):
@@ -121,6 +128,7 @@ def main() -> None:
                 add(f"t0.7_{mode}_n{n}", max(0, r.stats.n_generated - 1), r.stats.t_total_s, r.stats)
         print(f"[{i + 1}/{len(probs)}] {time.time() - t_start:.0f} s", file=sys.stderr, flush=True)
     g.close()
+    checker.close()
 
     base = {"greedy": agg["llama_cpp_greedy"], "t0.7": agg["llama_cpp_t0.7"]}
     rows = {}
@@ -128,6 +136,10 @@ def main() -> None:
         tps = d["tokens"] / d["seconds"] if d["seconds"] else 0.0
         row = {"tok_s": round(tps, 1)}
         if d["steps"]:
+            # per verify step: drafting and verification milliseconds (where the time goes)
+            row.update(draft_ms_per_step=round(1e3 * d["t_draft"] / d["steps"], 2),
+                       verify_ms_per_step=round(1e3 * d["t_verify"] / d["steps"], 2))
+        if d["drafted"]:
             row.update(tau=round(1 + d["accepted"] / d["steps"], 3),
                        acceptance_rate=round(d["accepted"] / max(1, d["drafted"]), 3),
                        per_position=[round(ac / dr, 3) if dr else None
@@ -143,10 +155,12 @@ def main() -> None:
               "divergences": divergences, "wall_s": round(time.time() - t_start, 1)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'configuration':24s} {'tok/s':>7s} {'vs llama.cpp':>12s} {'tau':>6s}  per-position acceptance")
+    print(f"{'configuration':24s} {'tok/s':>7s} {'vs llama.cpp':>12s} {'tau':>6s} {'draft/verify ms':>16s}  "
+          "per-position acceptance")
     for k, r in rows.items():
         pp = " ".join(f"{x:.2f}" for x in r.get("per_position", []) if x is not None)
-        print(f"{k:24s} {r['tok_s']:7.1f} {r['speedup_vs_llama_cpp']:11.2f}x {r.get('tau', 1.0):6.2f}  {pp}")
+        ms = f"{r['draft_ms_per_step']:.1f} / {r['verify_ms_per_step']:.1f}" if "verify_ms_per_step" in r else ""
+        print(f"{k:24s} {r['tok_s']:7.1f} {r['speedup_vs_llama_cpp']:11.2f}x {r.get('tau', 1.0):6.2f} {ms:>16s}  {pp}")
     print("greedy identical to llama-cpp-python:", result["greedy_identical_to_llama_cpp"],
           "divergences:", [(d["problem"], d["n"], d["verdict"]) for d in divergences])
     print(f"totals over {len(probs)} problems; wall {result['wall_s']} s -> {a.out}")

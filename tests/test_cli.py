@@ -80,10 +80,14 @@ def test_diff_reports_and_classifies(artifacts):
     r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["identical"] is False and rep["verdict"] == "near-tie" and rep["position"] == 25
+    # certified by replaying the speculative batches in plain llama-cpp-python (tests/test_certify.py)
+    assert rep["identical"] is False and rep["verdict"] == "batch-numerics" and rep["position"] == 25
+    assert rep["replay"]["certified"] and rep["replay"]["gap_in_spec_batches"] < 0
     assert min(rep["plain_margin"], rep["spec_margin"]) < 0.1
-    # with a tiny eps the same divergence is reported as a mismatch, with a non-zero exit
-    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--eps", "0.0001")
+    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--no-replay")
+    assert r.returncode == 0 and json.loads(r.stdout)["verdict"] == "near-tie"
+    # by margins alone, with a tiny eps, the same divergence is reported as a mismatch: non-zero exit
+    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--eps", "0.0001", "--no-replay")
     assert r.returncode == 1 and json.loads(r.stdout)["verdict"] == "mismatch"
     r = run("diff", "--model", a["target"], "--drafter", a["drafter"], "--prompt", "x", "--temperature", "1",
             "--mode", "rejection")

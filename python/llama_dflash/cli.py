@@ -268,20 +268,43 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def divergence_report(g, plain, spec, eps: float, sampled: bool = False) -> dict:
+def divergence_report(g, plain, spec, eps: float, sampled: bool = False, replay=None) -> dict:
     """Where a speculative run first differs from the plain one, with both rows' top-1/top-2 margins
-    and a verdict: near-tie (a margin below eps), sampled, mismatch (a bug) or length."""
+    and a verdict: batch-numerics (certified by `replay`, a ``certify.certify`` result: plain
+    llama-cpp-python picks the speculative token in the run's own batches), near-tie (a margin
+    below eps), sampled, mismatch (a bug) or length."""
     i = _first_divergence(plain.tokens, spec.tokens)
     report = {"identical": i is None, "n_tokens": len(plain.tokens), "tau": spec.stats.tau}
     if i is not None and i < min(len(plain.tokens), len(spec.tokens)):
         mp, ms = plain.margins[i], spec.margins[i]
+        verdict = "near-tie" if min(mp, ms) < eps else ("sampled" if sampled else "mismatch")
+        if not sampled and replay is not None:
+            report["replay"] = replay
+            if replay["certified"]:
+                verdict = "batch-numerics"
         report.update(position=i, plain_token=plain.tokens[i], spec_token=spec.tokens[i],
                       plain_piece=g.detokenize([plain.tokens[i]]), spec_piece=g.detokenize([spec.tokens[i]]),
-                      plain_margin=mp, spec_margin=ms,
-                      verdict="near-tie" if min(mp, ms) < eps else ("sampled" if sampled else "mismatch"))
+                      plain_margin=mp, spec_margin=ms, verdict=verdict)
     elif i is not None:
         report.update(position=i, verdict="length")
     return report
+
+
+def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list[dict], n_ctx: int,
+                      n_threads: int | None = None) -> dict | None:
+    """certify.certify for two greedy runs of a SpeculativeGenerator (steps: the speculative
+    run's on_step records), with a fresh plain llama_cpp.Llama that keeps every row's logits."""
+    import llama_cpp
+
+    from .certify import certify
+
+    if _first_divergence(plain.tokens, spec.tokens) is None:
+        return None
+    checker = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False)
+    try:
+        return certify(checker, toks + plain.tokens, toks + spec.tokens, len(toks), steps)
+    finally:
+        checker.close()
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
@@ -294,8 +317,13 @@ def cmd_diff(a: argparse.Namespace) -> int:
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
         toks = g.tokenize(_prompt(a))
         plain = g.generate(toks, a.max_tokens, draft_len=0, sampling=sp, return_margins=True)
-        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True)
-        report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
+        steps: list[dict] = []
+        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True,
+                          on_step=steps.append)
+        replay = None
+        if sp.temperature == 0 and not a.no_replay:
+            replay = replay_divergence(a.model, toks, plain, spec, steps, a.n_ctx, a.threads)
+        report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0, replay=replay)
     i = report.get("position")
     if a.json:
         print(json.dumps(report))
@@ -308,7 +336,15 @@ def cmd_diff(a: argparse.Namespace) -> int:
                   f"{report['plain_margin']:.4f}")
             print(f"  speculative: {report['spec_token']} {report['spec_piece']!r}, top-1/top-2 margin "
                   f"{report['spec_margin']:.4f}")
-        print({"near-tie": f"verdict: numerical near-tie (margin < {a.eps}): batched verification and "
+        rp = report.get("replay")
+        if rp and rp["gap_in_spec_batches"] is not None:
+            print(f"  plain llama-cpp-python's logit gap (its token - the speculative one): "
+                  f"{rp['gap_one_by_one']:.4f} one token per decode, {rp['gap_in_spec_batches']:.4f} "
+                  "in the speculative run's verify batches")
+        print({"batch-numerics": "verdict: llama.cpp batch numerics (certified): plain llama-cpp-python picks the "
+                                 "speculative token itself when it evaluates the speculative run's batches; "
+                                 "not a drafter bug",
+               "near-tie": f"verdict: numerical near-tie (margin < {a.eps}): batched verification and "
                            "single-token decoding round differently; not a drafter bug",
                "sampled": "verdict: sampled run - a near-tie moves a draw when the two rows differ in their last "
                           "digits; the argmax margins above are for reference",
@@ -351,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file")
     df.add_argument("--eps", type=float, default=0.1, help="top-1/top-2 logit margin below which a divergence is a "
                                                           "numerical near-tie")
+    df.add_argument("--no-replay", action="store_true",
+                    help="greedy: do not replay the speculative run's batches in plain llama-cpp-python (a second "
+                         "copy of the model) to certify a divergence; classify by --eps alone")
     _add_common(df)
     _add_sampling(df)
     df.set_defaults(func=cmd_diff)
