@@ -1,4 +1,4 @@
-"""Render bench/results/*.json as the Markdown tables of the README's "Measured" section.
+"""Render bench/results/*.json as the Markdown tables of the README's "Measured" sections.
 
 Usage: python3 bench/report.py > /tmp/measured.md
 """
@@ -58,7 +58,63 @@ def main() -> None:
             f"{c['seconds']:.0f} s at {c['peak_rss_bytes'] / 2**20:.0f} MiB peak RSS (largest tensor "
             f"{c['largest_tensor_bytes_f32'] / 2**20:.0f} MiB as f32); `python3 bench/bench_convert.py` → "
             "`bench/results/convert.json`."]
+    for part in (humaneval, dropin):
+        out += ["", *part()]
     print("\n".join(out))
+
+
+_HE_LABELS = {"llama_cpp_greedy": "llama-cpp-python, greedy", "ours_plain_greedy": "ours, plain (no drafter), greedy",
+              "llama_cpp_t0.7": "llama-cpp-python, T = 0.7"}
+
+
+def humaneval() -> list[str]:
+    """The shipped drafter on HumanEval (bench_humaneval.py)."""
+    h = json.loads((HERE / "humaneval.json").read_text())
+    out = [f"`{h['command']}` ({h['date']}, {h['machine']}):", "",
+           "| configuration | decode tok/s | vs llama-cpp-python | τ | draft / verify ms per step | "
+           "acceptance per position |", "|---|---|---|---|---|---|"]
+    for k, r in h["results"].items():
+        lab = _HE_LABELS.get(k) or ("ours, " + k.replace("greedy_n", "greedy, n = ").replace("t0.7_", "T = 0.7 ")
+                                    .replace("_n", ", n = "))
+        ms = f"{r['draft_ms_per_step']:.1f} / {r['verify_ms_per_step']:.1f}" if "verify_ms_per_step" in r else ""
+        pp = ", ".join(f"{x:.2f}" for x in r.get("per_position", []) if x is not None)
+        out.append(f"| {lab} | {r['tok_s']:.1f} | {r['speedup_vs_llama_cpp']:.2f}x | {r.get('tau', 1.0):.2f} | {ms} | "
+                   f"{pp} |")
+    verdicts: dict[str, int] = {}
+    for d in h["divergences"]:
+        verdicts[d["verdict"]] = verdicts.get(d["verdict"], 0) + 1
+    out += ["", f"Greedy output identical to llama-cpp-python: {h['greedy_identical_to_llama_cpp']}; verdicts of "
+            f"the divergent runs: {verdicts}."]
+    return out
+
+
+def dropin() -> list[str]:
+    """The drop-in class (bench_dropin.py): loop overhead, RSS, grammar-aware drafting."""
+    d = json.loads((HERE / "dropin.json").read_text())
+    out = ["| completion length | llama-cpp-python ms/token | ours ms/token | stream: llama-cpp-python / ours |",
+           "|---|---|---|---|"]
+    by = {(r["tokens"], r["stream"]): r for r in d["overhead"]}
+    for n in sorted({r["tokens"] for r in d["overhead"]}):
+        a, b = by[(n, False)], by[(n, True)]
+        out.append(f"| {n} tokens | {a['llama_cpp_ms_per_token']:.2f} | {a['ours_ms_per_token']:.3f} | "
+                   f"{b['llama_cpp_ms_per_token']:.2f} / {b['ours_ms_per_token']:.3f} |")
+    m = d["memory"]
+    out += ["", "Peak RSS, 1000 tokens with logprobs=5, n_ctx 4096: " + ", ".join(
+        f"{k} {v['peak_rss_mib']:.0f} MiB" for k, v in m.items()) + ".", "",
+            "| n | llama-cpp-python | ours, loop, no drafts | ours, grammar-aware drafts | ours, grammar-blind drafts "
+            "| τ aware / blind | acceptance aware / blind |", "|---|---|---|---|---|---|---|"]
+    for n, rows in d["grammar"].items():
+        def mean(key: str, rows=rows) -> float:
+            return sum(r[key] for r in rows) / len(rows)
+
+        out.append(f"| {n} | {mean('plain_tok_s'):.1f} | {mean('loop_tok_s'):.1f} | {mean('aware_tok_s'):.1f} | "
+                   f"{mean('blind_tok_s'):.1f} | {mean('aware_tau'):.2f} / {mean('blind_tau'):.2f} | "
+                   f"{mean('aware_acceptance'):.2f} / {mean('blind_acceptance'):.2f} |")
+    runs = [r[f"{k}_divergence"] for rows in d["grammar"].values() for r in rows for k in ("aware", "blind")]
+    out += ["", f"Speculative runs: {len(runs)}; identical to llama-cpp-python: {sum(x is None for x in runs)}; "
+            f"certified batch numerics: {sum(1 for x in runs if x and x.get('certified'))}; unexplained: "
+            f"{sum(1 for x in runs if x and not x.get('certified'))}."]
+    return out
 
 
 if __name__ == "__main__":

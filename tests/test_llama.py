@@ -48,9 +48,10 @@ def test_completions_equal_plain(pair, kw):
         assert got["usage"] == want["usage"]
         st = spec.last_speculative_stats
         assert st.fallback_reason == "" and st.drafted > 0
-        # streaming: the same text, chunk by chunk
-        chunks = list(spec.create_completion(p, max_tokens=24, stream=True, **kw))
-        assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+        # streaming: the same chunks as plain's stream
+        chunks = [[c["choices"][0]["text"] for c in llm.create_completion(p, max_tokens=24, stream=True, **kw)]
+                  for llm in (base, spec)]
+        assert chunks[0] == chunks[1]
 
 
 def test_stop_strings_and_max_tokens(pair):
@@ -97,10 +98,15 @@ def test_interrupted_stream_then_new_request(pair, artifacts):
     # a target without layer-input capture in a Llama context: plain decoding, reason recorded
     q = artifacts["qwen2"]
     llm = llama_dflash.Llama(q["target"], n_ctx=128, verbose=False, draft_model_path=q["drafter"])
-    ref = llama_cpp.Llama(q["target"], n_ctx=128, verbose=False)
+    _decodes_plainly(llm, q["target"], "layer-input capture")
+
+
+def _decodes_plainly(llm, target: str, reason: str) -> None:
+    """llm's output equals llama_cpp.Llama's and the stats name the fallback; closes llm."""
+    ref = llama_cpp.Llama(target, n_ctx=128, verbose=False)
     assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
         ref("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
-    assert "layer-input capture" in llm.last_speculative_stats.fallback_reason
+    assert reason in llm.last_speculative_stats.fallback_reason
     llm.close()
     ref.close()
 
@@ -254,12 +260,7 @@ def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_is_hybrid", lambda model: True)
     llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"])
     monkeypatch.undo()
-    ref = llama_cpp.Llama(a["target"], n_ctx=128, verbose=False)
-    assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
-        ref("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
-    assert "cannot roll back" in llm.last_speculative_stats.fallback_reason
-    llm.close()
-    ref.close()
+    _decodes_plainly(llm, a["target"], "cannot roll back")
 
 
 def test_draft_n_min_drops_short_drafts(artifacts):
@@ -293,3 +294,39 @@ def test_draft_n_min_drops_short_drafts(artifacts):
         llama_dflash.Llama(a["target"], n_ctx=64, verbose=False, draft_n_min=-1)
     spec.close()
     base.close()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.9, top_k=5, seed=7),
+    dict(temperature=0.8, top_p=0.7, min_p=0.0, seed=8),
+    dict(temperature=1.1, min_p=0.2, seed=9),
+    dict(temperature=0.9, typical_p=0.8, seed=10),
+    dict(temperature=0.7, repeat_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2, seed=11),
+    dict(temperature=0.0, repeat_penalty=1.2),
+])
+def test_sampler_settings_equal_plain(pair, kw):
+    """Each sampler setting, seeded: the same completion and stream chunks as llama_cpp.Llama,
+    served speculatively; and the generate() entry point yields the same tokens."""
+    base, spec = pair
+    for p in PROMPTS[:2]:
+        want = base.create_completion(p, max_tokens=20, **kw)["choices"][0]["text"]
+        assert spec.create_completion(p, max_tokens=20, **kw)["choices"][0]["text"] == want, p
+        st = spec.last_speculative_stats
+        assert st.fallback_reason == "" and st.drafted > 0
+        # streamed: the same chunks (which drop bytes that never form a UTF-8 character, as plain's do)
+        chunks = [[c["choices"][0]["text"] for c in llm.create_completion(p, max_tokens=20, stream=True, **kw)]
+                  for llm in (base, spec)]
+        assert chunks[0] == chunks[1]
+    toks = base.tokenize(PROMPTS[2].encode())
+    gen = {k.replace("temperature", "temp"): v for k, v in kw.items() if k != "seed"}
+    runs = []
+    for llm in (base, spec):
+        llm.set_seed(kw.get("seed", 0))
+        llm.reset()
+        out = []
+        for t in llm.generate(toks, **gen):
+            out.append(t)
+            if len(out) == 16:
+                break
+        runs.append(out)
+    assert runs[0] == runs[1]
