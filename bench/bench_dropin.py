@@ -8,13 +8,15 @@ Three measurements, all on the default target (SmolLM2-135M-Instruct Q4_0) and t
   memory    peak RSS of a 1000-token completion with logprobs=5 (a fresh process each):
             llama_cpp.Llama needs logits_all=True (an n_ctx x n_vocab buffer); ours does not;
             and plain llama_cpp.Llama without logprobs, the floor.
+  logprobs  our logprobs (no logits_all) against llama-cpp-python's on greedy completions, next to
+            llama-cpp-python's own deviation when it evaluates the same tokens in one batch.
   grammar   JSON-schema and forced tool-call chats, greedy: tau, acceptance, tok/s after the first
             token with grammar-aware drafting on and off, our loop without drafts, and plain
             llama_cpp.Llama's, prompt by prompt; where an output differs from plain's, plain
             llama-cpp-python's logit gap between the two tokens there, one token per decode and
             in the speculative run's own verify batches.
 
-Usage: python bench/bench_dropin.py [--only overhead,memory,grammar] [--out bench/results/dropin.json]
+Usage: python bench/bench_dropin.py [--only overhead,memory,logprobs,grammar] [--out bench/results/dropin.json]
 """
 
 from __future__ import annotations
@@ -118,6 +120,42 @@ def memory(target: str, drafter: str) -> dict:
         print(f"  {kind:17}: peak RSS {out[kind]['peak_rss_mib']:.0f} MiB "
               f"({out[kind]['tokens']} tokens, {out[kind]['logprobs']} logprobs)", flush=True)
     return out
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+def logprobs(target: str, drafter: str, n: int = 48) -> list[dict]:
+    """Our logprobs (no logits_all) vs llama-cpp-python's (logits_all=True) on the same greedy
+    completions, next to how far llama-cpp-python's own logprobs move when it evaluates the
+    same tokens in one batch instead of one per llama_decode."""
+    import numpy as np
+
+    from llama_dflash.prompts import chatml, humaneval_prompts
+
+    base = llama_cpp.Llama(target, n_ctx=1024, logits_all=True, verbose=False)
+    spec = llama_dflash.Llama(target, n_ctx=1024, verbose=False, draft_model_path=drafter, draft_n_max=3)
+    rows = []
+    for p in humaneval_prompts()[:4]:
+        prompt = chatml(p.text)
+        w = base.create_completion(prompt, max_tokens=n, temperature=0.0, logprobs=3)["choices"][0]["logprobs"]
+        g = spec.create_completion(prompt, max_tokens=n, temperature=0.0, logprobs=3)["choices"][0]["logprobs"]
+        k = next((i for i, (x, y) in enumerate(zip(w["tokens"], g["tokens"], strict=False)) if x != y),
+                 min(len(w["tokens"]), len(g["tokens"])))  # compare up to a (certified) divergence
+        ours = np.abs(np.array(g["token_logprobs"][:k]) - np.array(w["token_logprobs"][:k], dtype=np.float64))
+        toks = base.tokenize(prompt.encode(), add_bos=False, special=True)
+        comp = base.tokenize("".join(w["tokens"][:k]).encode(), add_bos=False, special=False)[:k]
+        base.reset()
+        base.eval(toks + comp)
+        lp = llama_cpp.Llama.logits_to_logprobs(base.scores[len(toks) - 1:len(toks) - 1 + len(comp)])
+        one = np.abs(lp[np.arange(len(comp)), comp] - np.array(w["token_logprobs"][:len(comp)], dtype=np.float64))
+        rows.append({"problem": p.key, "tokens": int(k), "ours_vs_plain_max": float(ours.max()),
+                     "ours_vs_plain_median": float(np.median(ours)), "plain_batch_vs_plain_max": float(one.max()),
+                     "plain_batch_vs_plain_median": float(np.median(one))})
+        print(f"  {p.key}: {k} tokens | ours vs plain: max {ours.max():.4f}, median {np.median(ours):.4f} | "
+              f"plain in one batch vs plain: max {one.max():.4f}, median {np.median(one):.4f}", flush=True)
+    spec.close()
+    base.close()
+    return rows
 
 
 # ---- grammar ----------------------------------------------------------------------------------
@@ -240,7 +278,7 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="overhead,memory,grammar")
+    ap.add_argument("--only", default="overhead,memory,logprobs,grammar")
     ap.add_argument("--draft-lens", default="3,7")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dropin.json"))
@@ -261,6 +299,9 @@ def main() -> None:
     if "memory" in parts:
         print("peak RSS, 1000 tokens with logprobs=5, n_ctx 4096:")
         res["memory"] = memory(target, drafter)
+    if "logprobs" in parts:
+        print("logprobs of greedy completions (4 HumanEval chats, 48 tokens), |difference| from llama-cpp-python's:")
+        res["logprobs"] = logprobs(target, drafter)
     if "grammar" in parts:
         res["grammar"] = {}
         for n in (int(x) for x in a.draft_lens.split(",")):

@@ -101,6 +101,12 @@ def dropin() -> list[str]:
     m = d["memory"]
     out += ["", "Peak RSS, 1000 tokens with logprobs=5, n_ctx 4096: " + ", ".join(
         f"{k} {v['peak_rss_mib']:.0f} MiB" for k, v in m.items()) + ".", "",
+            "| logprobs, 4 HumanEval chats, greedy | tokens | ours vs llama-cpp-python: max / median | "
+            "llama-cpp-python in one batch vs itself: max / median |", "|---|---|---|---|"]
+    for r in d.get("logprobs", []):
+        out.append(f"| {r['problem']} | {r['tokens']} | {r['ours_vs_plain_max']:.4f} / {r['ours_vs_plain_median']:.4f} "
+                   f"| {r['plain_batch_vs_plain_max']:.4f} / {r['plain_batch_vs_plain_median']:.4f} |")
+    out += ["",
             "| n | llama-cpp-python | ours, loop, no drafts | ours, grammar-aware drafts | ours, grammar-blind drafts "
             "| τ aware / blind | acceptance aware / blind |", "|---|---|---|---|---|---|---|"]
     for n, rows in d["grammar"].items():

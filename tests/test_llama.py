@@ -111,6 +111,24 @@ def _decodes_plainly(llm, target: str, reason: str) -> None:
     ref.close()
 
 
+def test_drafter_object_in_llama_cpp_pythons_draft_model_slot(artifacts):
+    a = artifacts["llama"]
+    d = llama_dflash.DFlashDraftModel(a["drafter"], n_max=4)
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model=d)
+    ref = llama_cpp.Llama(a["target"], n_ctx=128, verbose=False)
+    assert llm.draft_n_max == 4 and llm.draft_model is None
+    assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
+        ref("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert llm.last_speculative_stats.drafted > 0
+    llm.close()
+    with pytest.raises(ValueError, match="once"):
+        llama_dflash.Llama(a["target"], n_ctx=64, verbose=False, draft_model=d, draft_model_path=a["drafter"])
+    with pytest.raises(TypeError, match="llama_dflash.Llama"):  # plain llama_cpp.Llama cannot run it
+        ref.draft_model = d
+        ref("Hello", max_tokens=4, temperature=0.0)
+    ref.close()
+
+
 def test_specconfig_like_object(artifacts):
     from types import SimpleNamespace
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import llama_cpp  # noqa: F401  (load libllama first: the C core binds to that copy)
 
 from .engine import DFlashError, GenerationResult, SpeculativeGenerator
-from .llama import Llama
+from .llama import DFlashDraftModel, Llama
 from .sampling import SamplingParams
 from .stats import SpecStats
 
-__all__ = ["DFlashError", "GenerationResult", "Llama", "SamplingParams", "SpecStats", "SpeculativeGenerator"]
+__all__ = ["DFlashDraftModel", "DFlashError", "GenerationResult", "Llama", "SamplingParams", "SpecStats",
+           "SpeculativeGenerator"]
 __version__ = "0.1.0"

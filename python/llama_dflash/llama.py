@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import llama_cpp
 import numpy as np
+from llama_cpp.llama_speculative import LlamaDraftModel
 
 from . import _native, completion
 from ._native import ffi, lib
@@ -45,6 +46,19 @@ def openai_response_format(response_format):
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"schema": {...}}')
     return {"type": "json_object", "schema": spec["schema"]}
+
+
+class DFlashDraftModel(LlamaDraftModel):
+    """A DFlash / DFlash2 drafter for llama-cpp-python's ``draft_model=`` slot, where its users
+    pass a ``LlamaPromptLookupDecoding``: ``Llama(model, draft_model=DFlashDraftModel("d.gguf"))``.
+    Only ``llama_dflash.Llama`` runs it (the drafter needs the target's hidden states)."""
+
+    def __init__(self, path: str, n_max: int | None = None, n_min: int = 0, p_min: float = 0.0) -> None:
+        self.path, self.n_max, self.n_min, self.p_min = str(path), n_max, n_min, p_min
+
+    def __call__(self, input_ids, /, **kwargs):
+        raise TypeError("a DFlash drafter runs inside llama_dflash.Llama (from llama_dflash import Llama), "
+                        "not llama_cpp.Llama")
 
 
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
@@ -83,7 +97,8 @@ class SpeculativeTotals(Acceptance):
 class Llama(llama_cpp.Llama):
     """Drop-in llama_cpp.Llama with a DFlash / DFlash2 drafter.
 
-    draft_model_path: the drafter GGUF (None: plain llama_cpp.Llama behaviour).
+    draft_model_path: the drafter GGUF (None: plain llama_cpp.Llama behaviour); or, in
+    llama-cpp-python's own slot, ``draft_model=DFlashDraftModel(path, n_max=..., ...)``.
     draft_n_max: tokens drafted per step (default and maximum: the drafter's block - 1).
     draft_n_min: drop drafts shorter than this (after the p_min / grammar cuts): verify alone.
     draft_p_min: cut drafts at the first slot less confident than this.
@@ -112,6 +127,13 @@ class Llama(llama_cpp.Llama):
             draft_n_max = getattr(speculative, "draft_n_max", None) or draft_n_max
             draft_p_min = getattr(speculative, "draft_p_min", None) or draft_p_min
             draft_n_min = getattr(speculative, "draft_n_min", None) or draft_n_min
+        dm = kwargs.get("draft_model")
+        if isinstance(dm, DFlashDraftModel):
+            if draft_model_path is not None:
+                raise ValueError("pass the DFlash drafter once: draft_model=DFlashDraftModel(...) or draft_model_path")
+            kwargs["draft_model"] = None
+            draft_model_path, draft_n_min, draft_p_min = dm.path, dm.n_min, dm.p_min
+            draft_n_max = dm.n_max if dm.n_max is not None else draft_n_max
         unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif")) and k not in _BASE_PARAMS]
         if draft_model_path is not None and kwargs.get("draft_model") is not None:
             raise ValueError("draft_model (llama-cpp-python's prompt-lookup drafter) and a DFlash drafter "
