@@ -42,7 +42,7 @@ class RunSpec:
     mask_token_id: int = 16             # SmolLM2's <empty_output>: a special token the target never emits
     n_ff: int | None = None             # default: the target's
     v1_steps: int = 1100
-    v2_steps: int = 300
+    v2_steps: int = 1300
     v1_lr: float = 1e-3
     v2_lr: float = 5e-4
     seqs_per_step: int = 4
