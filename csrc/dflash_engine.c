@@ -431,12 +431,12 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
             n_drafted = e->draft_fn(e->draft_ud, e->history, e->n_hist, n, drafts);
             if (n_drafted < 0 || n_drafted > n) {
                 dflash_seterr(err, err_len, "draft source returned %d tokens (asked for at most %d)", n_drafted, n);
-                return -1;
+                n_drafted = -1;  // (after the grammar clone is freed below)
             }
             for (int32_t i = 0; i < n_drafted; i++) {
                 if (drafts[i] < 0 || drafts[i] >= e->n_vocab) {
                     dflash_seterr(err, err_len, "draft source returned token %d outside the vocabulary", drafts[i]);
-                    return -1;
+                    n_drafted = -1;
                 }
             }
         } else if (e->drafter && rejection) {
