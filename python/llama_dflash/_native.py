@@ -7,6 +7,7 @@ mapped, so the process holds exactly one copy of each.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -79,3 +80,21 @@ def ptr(ctype: str, ctypes_obj) -> object:
 
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
+
+
+class Resource:
+    """Owns native handles that ``close()`` frees (idempotently): a context manager, and closed
+    when garbage-collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone
+            self.close()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
+from ._native import Resource
+
 
 @dataclass
 class Job:
@@ -33,7 +35,7 @@ class Completion:
     temperature: float
 
 
-class BatchGenerator:
+class BatchGenerator(Resource):
     """One target model, one context with `n_seq` parallel sequences of up to `max_len` tokens."""
 
     def __init__(self, model_path: str | os.PathLike, n_seq: int = 16, max_len: int = 512,
@@ -139,15 +141,6 @@ class BatchGenerator:
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self) -> BatchGenerator:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator, top_k: int = 40) -> int:

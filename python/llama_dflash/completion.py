@@ -116,6 +116,8 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
                 out[tok] = b + scores[tok]
             return out
 
+        # (llama-cpp-python 0.3.36 assigns list.extend's None here, dropping the processors and the
+        # bias when both are given; both apply here)
         logits_processor = [*(logits_processor or []), logit_bias_processor]
     if llm.verbose:
         llm._ctx.reset_timings()

@@ -50,7 +50,7 @@ def check_file(path: str | os.PathLike, what: str) -> bytes:
     return p.encode()
 
 
-class Drafter:
+class Drafter(_native.Resource):
     """DFlash drafter weights + its context cache, running as our ggml graph.
 
     model: the target's ``llama_model *`` (ctypes pointer from llama_cpp); its
@@ -176,12 +176,6 @@ class Drafter:
         if self._d is not None:
             lib.dflash_drafter_free(self._d)
             self._d = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class DrafterState:

@@ -70,7 +70,7 @@ def engine_steps(engine, tokens: list[int], params, check: Callable[[int, object
         yield list(buf[0:n])
 
 
-class SpeculativeGenerator:
+class SpeculativeGenerator(_native.Resource):
     """A target model (GGUF) with an optional DFlash drafter (GGUF).
 
     Without a drafter it decodes plainly through the same loop, which makes
@@ -366,14 +366,3 @@ class SpeculativeGenerator:
             llama_cpp.llama_model_free(self._model)
         self._model = None
 
-    def __enter__(self) -> SpeculativeGenerator:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -204,17 +204,20 @@ class Llama(llama_cpp.Llama):
             bound.arguments["response_format"] = openai_response_format(bound.arguments["response_format"])
         return super().create_chat_completion(*bound.args[1:], **bound.kwargs)
 
+    def _forget(self) -> None:
+        """Someone else is changing the context's KV: the engine must not reuse what it left there."""
+        if getattr(self, "_engine", None) is not None:
+            lib.dflash_engine_forget(self._engine)
+
     @functools.wraps(llama_cpp.Llama.reset)
     def reset(self) -> None:
         super().reset()
-        if getattr(self, "_engine", None) is not None:
-            lib.dflash_engine_forget(self._engine)  # the next generation evaluates its prompt again
+        self._forget()  # the next generation evaluates its prompt again
 
     @functools.wraps(llama_cpp.Llama.load_state)
     def load_state(self, state) -> None:
         super().load_state(state)
-        if self._engine is not None:
-            lib.dflash_engine_forget(self._engine)  # the KV no longer holds what the engine last left there
+        self._forget()
 
     def _fallback_reason(self, temp, mirostat_mode) -> str | None:
         if self._drafter is None:
@@ -246,8 +249,7 @@ class Llama(llama_cpp.Llama):
         budget, self._dflash_budget = self._dflash_budget, -1
         reason = self._fallback_reason(temp, mirostat_mode)
         if self._drafter is None or reason is not None:
-            if self._engine is not None:
-                lib.dflash_engine_forget(self._engine)  # the base class is about to use the context
+            self._forget()  # the base class is about to use the context
             if reason is not None:
                 self.last_speculative_stats = SpecStats(drafter="none", mode="plain", fallback_reason=reason)
                 tot = self.speculative_stats_total
@@ -290,15 +292,14 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.embed)
     def embed(self, *args, **kwargs):
-        if getattr(self, "_engine", None) is not None:
-            lib.dflash_engine_forget(self._engine)  # embedding clears the KV cache
+        self._forget()  # embedding clears the KV cache
         return super().embed(*args, **kwargs)
 
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
         if getattr(self, "_engine", None) is not None:
             self._outside_eval = True  # the next generation must use what this put in the context
-            lib.dflash_engine_forget(self._engine)
+            self._forget()
         super().eval(tokens)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,

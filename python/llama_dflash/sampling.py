@@ -49,11 +49,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
     @property
+    def is_greedy_but_grammar(self) -> bool:
+        """Temperature 0 and no logit transform other than (possibly) a grammar."""
+        return (self.temperature == 0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0 and not self.logit_bias and not self.logits_processor)
+
+    @property
     def is_plain_greedy(self) -> bool:
         """Argmax without any logit transform: the exact greedy path (with margins)."""
-        return (self.temperature == 0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
-                and self.presence_penalty == 0.0 and not self.logit_bias and self.grammar is None
-                and not self.logits_processor)
+        return self.is_greedy_but_grammar and self.grammar is None
 
 
 _TOKEN_DATA = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
@@ -70,7 +74,6 @@ class ProcessorSampler(_internals.CustomSampler):
         self.ids = np.empty(max(64, 2 * len(history)), dtype=np.intc)
         self.n = len(history)
         self.ids[:self.n] = history
-        self.calls = 0
         super().__init__(self._apply)
 
         def accept(_smpl, token) -> None:
@@ -86,7 +89,6 @@ class ProcessorSampler(_internals.CustomSampler):
         arr = cur_p.contents
         raw = (ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(ctypes.addressof(arr.data.contents))
         logits = np.frombuffer(raw, dtype=_TOKEN_DATA)["logit"]
-        self.calls += 1
         for proc in self.processors:
             logits[:] = proc(self.ids[:self.n], logits)
 
@@ -145,8 +147,6 @@ def grammar_params(p: SamplingParams, chain) -> dict:
     no other transform: then the chain would pick that argmax whenever the grammar allows it)."""
     if chain is None or chain.grammar_index < 0:
         return {"grammar": ffi.NULL, "grammar_drafts": False, "grammar_argmax": False}
-    only_grammar = (p.temperature == 0 and p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
-                    and p.presence_penalty == 0.0 and not p.logit_bias and not p.logits_processor)
     return {"grammar": ptr("struct llama_sampler *", llama_cpp.llama_sampler_chain_get(chain.sampler,
                                                                                       chain.grammar_index)),
-            "grammar_drafts": p.grammar_aware_drafting, "grammar_argmax": only_grammar}
+            "grammar_drafts": p.grammar_aware_drafting, "grammar_argmax": p.is_greedy_but_grammar}
