@@ -50,7 +50,9 @@ struct dflash_drafter_info {
     int32_t n_taps;
     int32_t target_layers[64]; /* HF ids (output of target layer id), concat order */
     int32_t mask_token_id;
-    int32_t n_vocab;
+    int32_t n_vocab;          /* the target's vocabulary */
+    int32_t n_vocab_draft;    /* tokens the drafter can propose: n_vocab, or the size of its
+                                 reduced vocabulary (`d2t` map + own `output.weight`) */
     int32_t causal;           /* block attention causal */
     int32_t n_swa;            /* sliding window (0 = none) */
     uint32_t swa_layers;      /* bit i set: layer i uses the window */

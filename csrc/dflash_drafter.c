@@ -60,7 +60,9 @@ struct dflash_drafter {
     struct ggml_tensor * sel_pred, * sel_succ, * sel_hidden; // DFlash2 selector
     struct dflash_layer layers[DFLASH_MAX_LAYERS];
     struct ggml_tensor * tok_embd; // borrowed from the target unless the file has one
-    struct ggml_tensor * head;     // idem
+    struct ggml_tensor * head;     // idem; rows = n_vocab_draft
+    struct ggml_tensor * d2t;      // reduced draft vocabulary: [n_vocab_draft] target ids (I32), or NULL
+    int32_t * d2t_host;            // the same ids on the host
     bool own_embd, own_head;
 
     ggml_backend_t backends[2];
@@ -165,7 +167,7 @@ static struct ggml_tensor * want(struct ggml_context * meta, const char * name, 
 static bool is_known_tensor(const char * name, int n_layer) {
     static const char * top[] = { "fc.weight", "enc.output_norm.weight", "output_norm.weight",
                                   "token_embd.weight", "output.weight", "selector_predecessor.weight",
-                                  "selector_successor.weight", "selector_hidden.weight" };
+                                  "selector_successor.weight", "selector_hidden.weight", "d2t" };
     for (size_t i = 0; i < sizeof(top) / sizeof(top[0]); i++) {
         if (strcmp(name, top[i]) == 0) return true;
     }
@@ -200,6 +202,31 @@ static struct ggml_tensor * target_tensor(const struct llama_model * target, con
     return need_host ? NULL : ts[0];
 }
 
+// The reduced vocabulary's target ids: in range and distinct (a duplicate would give
+// one token two proposal probabilities).
+static bool read_d2t(struct dflash_drafter * d, const char * path, const int64_t * ids, char * err, size_t err_len) {
+    const int32_t nv = d->hp.n_vocab, nd = d->hp.n_vocab_draft;
+    d->d2t_host = malloc(sizeof(int32_t) * (size_t) nd);
+    uint8_t * seen = calloc((size_t) nv, 1);
+    bool ok = d->d2t_host && seen;
+    if (!ok) dflash_seterr(err, err_len, "out of memory reading d2t");
+    for (int32_t i = 0; ok && i < nd; i++) {
+        if (ids[i] < 0 || ids[i] >= nv) {
+            dflash_seterr(err, err_len, "drafter '%s': d2t[%d] = %lld is outside the target vocabulary (%d)", path, i,
+                          (long long) ids[i], nv);
+            ok = false;
+        } else if (seen[ids[i]]++) {
+            dflash_seterr(err, err_len, "drafter '%s': d2t maps two draft rows to target token %lld", path,
+                          (long long) ids[i]);
+            ok = false;
+        } else {
+            d->d2t_host[i] = (int32_t) ids[i];
+        }
+    }
+    free(seen);
+    return ok;
+}
+
 static bool read_weights(struct dflash_drafter * d, const char * path, const struct gguf_context * g,
                          char * err, size_t err_len) {
     FILE * f = fopen(path, "rb");
@@ -213,7 +240,8 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
     bool ok = true;
     for (struct ggml_tensor * t = ggml_get_first_tensor(d->ctx_w); t; t = ggml_get_next_tensor(d->ctx_w, t)) {
         int64_t id = gguf_find_tensor(g, ggml_get_name(t));
-        size_t nbytes = ggml_nbytes(t);
+        const bool is_d2t = t == d->d2t;
+        size_t nbytes = is_d2t ? sizeof(int64_t) * (size_t) t->ne[0] : ggml_nbytes(t);
         if (nbytes > tmp_size) {
             free(tmp);
             tmp = malloc(nbytes);
@@ -224,6 +252,12 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
             dflash_seterr(err, err_len, "drafter file '%s' is truncated (tensor '%s')", path, ggml_get_name(t));
             ok = false;
             break;
+        }
+        if (is_d2t) {
+            ok = read_d2t(d, path, (const int64_t *) tmp, err, err_len);
+            if (!ok) break;
+            ggml_backend_tensor_set(t, d->d2t_host, 0, ggml_nbytes(t));
+            continue;
         }
         ggml_backend_tensor_set(t, tmp, 0, nbytes);
     }
@@ -322,6 +356,15 @@ static void store_kv(const struct dflash_drafter * d, struct dflash_state * st, 
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, v), v_dst));
 }
 
+// Draft-vocabulary row ids [K, N] -> target token ids (the identity without a d2t map).
+static struct ggml_tensor * to_target_ids(const struct dflash_drafter * d, struct ggml_context * ctx,
+                                          struct ggml_tensor * ids) {
+    if (!d->d2t) return ids;
+    struct ggml_tensor * flat = ggml_reshape_1d(ctx, ids, ggml_nelements(ids));
+    struct ggml_tensor * t = ggml_get_rows(ctx, ggml_reshape_2d(ctx, d->d2t, 1, d->hp.n_vocab_draft), flat);
+    return ggml_reshape_2d(ctx, t, ids->ne[0], ids->ne[1]);
+}
+
 // DFlash2 selector (docs §3.2), all on the backend: top-K candidates per slot and the
 // lattice scores[k][a][b] = U_k(c_kb) + <A[c_{k-1,a}] * gate_k, S[c_kb]>, slot 0's predecessor
 // being its block's anchor.  z: [H, n * S], logits: [V, n * S].  Only ids and K x K scores per
@@ -330,8 +373,9 @@ static void build_selector(const struct dflash_drafter * d, struct dflash_graph 
                            struct ggml_tensor * z, struct ggml_tensor * logits, int64_t n, int64_t S) {
     const struct dflash_drafter_info * hp = &d->hp;
     const int64_t K = hp->selector_top_k, R = hp->selector_rank, V = logits->ne[0], N = n * S;
-    struct ggml_tensor * cand = ggml_top_k(ctx, logits, (int) K);                                  // [K, N]
-    struct ggml_tensor * unary = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, N), cand);   // [1, K, N]
+    struct ggml_tensor * cand_d = ggml_top_k(ctx, logits, (int) K);                                // [K, N]
+    struct ggml_tensor * unary = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, V, N), cand_d); // [1, K, N]
+    struct ggml_tensor * cand = to_target_ids(d, ctx, cand_d);
     struct ggml_tensor * gate = ggml_mul_mat(ctx, d->sel_hidden, z);                                // [R, N]
     struct ggml_tensor * flat = ggml_reshape_1d(ctx, cand, K * N);
     struct ggml_tensor * succ = ggml_reshape_4d(ctx, ggml_get_rows(ctx, d->sel_succ, flat), R, K, n, S);
@@ -471,7 +515,7 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     struct ggml_tensor * z = ggml_view_3d(ctx, h, hp->n_embd, n, n_seq, h->nb[1], h->nb[1] * B, h->nb[1]);
     z = ggml_reshape_2d(ctx, ggml_cont(ctx, z), hp->n_embd, n * n_seq);
     z = rms(ctx, z, d->out_norm, hp->rms_eps);
-    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->head, z); // [n_vocab, n * n_seq]
+    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->head, z); // [n_vocab_draft, n * n_seq]
     if (hp->logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp->logit_scale);
     if (hp->softcap > 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp->softcap)), hp->softcap);
@@ -488,8 +532,9 @@ static bool build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     if (want_topk) {
         // v1 sampling: the DFLASH_V1_SAMPLE_K best tokens of each slot and their logits
         const int64_t K = DFLASH_V1_SAMPLE_K < logits->ne[0] ? DFLASH_V1_SAMPLE_K : logits->ne[0];
-        G->cand = ggml_top_k(ctx, logits, (int) K);
-        G->scores = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, logits->ne[0], logits->ne[1]), G->cand);
+        struct ggml_tensor * cand_d = ggml_top_k(ctx, logits, (int) K);
+        G->scores = ggml_get_rows(ctx, ggml_reshape_3d(ctx, logits, 1, logits->ne[0], logits->ne[1]), cand_d);
+        G->cand = to_target_ids(d, ctx, cand_d);
         ggml_set_output(G->cand);
         ggml_set_output(G->scores);
         ggml_build_forward_expand(G->gf, G->cand);
@@ -717,9 +762,31 @@ static int32_t run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         samp->k = K;
     } else if (n_block > 0) {
         ggml_backend_tensor_get(G.argmax, out_tokens, 0, sizeof(int32_t) * (size_t) n * n_seq);
+        if (d->d2t_host) {
+            for (int32_t i = 0; i < n * n_seq; i++) out_tokens[i] = d->d2t_host[out_tokens[i]];
+        }
     }
     if (n_block > 0 && out_logits) {
-        ggml_backend_tensor_get(G.logits, out_logits, 0, sizeof(float) * (size_t) n * n_seq * hp->n_vocab);
+        const size_t rows = (size_t) n * n_seq;
+        if (!d->d2t_host) {
+            ggml_backend_tensor_get(G.logits, out_logits, 0, sizeof(float) * rows * hp->n_vocab);
+        } else {
+            // target-vocabulary rows, -inf where the drafter cannot propose (as upstream scatters them)
+            const size_t nd = (size_t) hp->n_vocab_draft;
+            float * tmp = malloc(sizeof(float) * rows * nd);
+            if (tmp) ggml_backend_tensor_get(G.logits, tmp, 0, sizeof(float) * rows * nd);
+            for (size_t r = 0; r < rows; r++) {
+                float * o = out_logits + r * hp->n_vocab;
+                for (int32_t v = 0; v < hp->n_vocab; v++) o[v] = -INFINITY;
+                for (size_t j = 0; tmp && j < nd; j++) o[d->d2t_host[j]] = tmp[r * nd + j];
+            }
+            if (!tmp) {
+                ggml_free(G.ctx);
+                dflash_seterr(err, err_len, "out of memory scattering the draft logits");
+                return -1;
+            }
+            free(tmp);
+        }
     }
     ggml_free(G.ctx);
     return 0;
@@ -736,6 +803,7 @@ void dflash_drafter_free(dflash_drafter * d) {
     if (d->ctx_w) ggml_free(d->ctx_w);
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
+    free(d->d2t_host);
     free(d);
 }
 
@@ -756,9 +824,15 @@ static bool parse_hparams(struct dflash_drafter * d, const struct gguf_context *
         dflash_seterr(err, err_len, "'%s' is a DSpark drafter (markov_w1.weight); only DFlash is supported", path);
         return false;
     }
-    if (ggml_get_tensor(meta, "d2t")) {
-        dflash_seterr(err, err_len, "'%s' uses a reduced draft vocabulary (d2t), which is not supported", path);
-        return false;
+    const struct ggml_tensor * d2t = ggml_get_tensor(meta, "d2t");
+    hp->n_vocab_draft = 0; // the target's vocabulary unless d2t says otherwise (set in validate_target)
+    if (d2t) {
+        // upstream's layout: absolute target ids, I64, one per row of the drafter's own head
+        if (d2t->type != GGML_TYPE_I64 || ggml_n_dims(d2t) != 1 || d2t->ne[0] < 1 || d2t->ne[0] > INT32_MAX) {
+            dflash_seterr(err, err_len, "'%s': tensor d2t must be a 1-D I64 map of target ids", path);
+            return false;
+        }
+        hp->n_vocab_draft = (int32_t) d2t->ne[0];
     }
     bool b = false;
     if (kv_bool(g, "dflash.sample_from_anchor", &b) && b) {
@@ -922,6 +996,12 @@ static bool validate_target(struct dflash_drafter * d, const struct llama_model 
     const int32_t t_layer = llama_model_n_layer(target);
     const int32_t t_vocab = llama_vocab_n_tokens(llama_model_get_vocab(target));
     hp->n_vocab = t_vocab;
+    if (hp->n_vocab_draft == 0) hp->n_vocab_draft = t_vocab;
+    if (hp->n_vocab_draft > t_vocab) {
+        dflash_seterr(err, err_len, "drafter '%s' maps %d draft tokens but the target has only %d", path,
+                      hp->n_vocab_draft, t_vocab);
+        return false;
+    }
     if (hp->n_embd != t_embd) {
         dflash_seterr(err, err_len, "drafter '%s' has hidden size %d but the target has %d", path, hp->n_embd, t_embd);
         return false;
@@ -934,6 +1014,11 @@ static bool validate_target(struct dflash_drafter * d, const struct llama_model 
                           path, hp->target_layers[i], t_layer, t_layer - 2);
             return false;
         }
+    }
+    if (hp->version == 2 && hp->selector_top_k > hp->n_vocab_draft) {
+        dflash_seterr(err, err_len, "drafter '%s': selector_top_k %d exceeds its %d-token vocabulary", path,
+                      hp->selector_top_k, hp->n_vocab_draft);
+        return false;
     }
     if (hp->mask_token_id < 0 || hp->mask_token_id >= t_vocab) {
         dflash_seterr(err, err_len, "drafter '%s' has mask token id %d outside the target vocabulary (%d tokens)",
@@ -997,7 +1082,9 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         if (ok) m_hn = want(meta, "enc.output_norm.weight", E, 1, true, err, err_len, &ok);
         if (ok) m_on = want(meta, "output_norm.weight", E, 1, true, err, err_len, &ok);
         if (ok) m_te = want(meta, "token_embd.weight", E, hp->n_vocab, false, err, err_len, &ok);
-        if (ok) m_out = want(meta, "output.weight", E, hp->n_vocab, false, err, err_len, &ok);
+        // a reduced vocabulary needs the drafter's own head over exactly its rows
+        const bool reduced = ggml_get_tensor(meta, "d2t") != NULL;
+        if (ok) m_out = want(meta, "output.weight", E, hp->n_vocab_draft, reduced, err, err_len, &ok);
         static const char * names[11] = { "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                                            "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down" };
         const int64_t shp[11][2] = { { E, 1 }, { E, qd }, { E, kvd }, { E, kvd }, { qd, E }, { hp->head_dim, 1 },
@@ -1098,6 +1185,11 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         d->sel_pred = DUP(m_sel[0]);
         d->sel_succ = DUP(m_sel[1]);
         d->sel_hidden = DUP(m_sel[2]);
+        if (hp->n_vocab_draft < hp->n_vocab || ggml_get_tensor(meta, "d2t")) {
+            // held as I32 (what get_rows takes as indices); read_weights converts the file's I64
+            d->d2t = ggml_new_tensor_1d(d->ctx_w, GGML_TYPE_I32, hp->n_vocab_draft);
+            ggml_set_name(d->d2t, "d2t");
+        }
 #undef DUP
         d->buf_w = ggml_backend_alloc_ctx_tensors(d->ctx_w, d->backends[0]);
         if (!d->buf_w) {

@@ -147,3 +147,21 @@ def write_random_drafter(path: str, target_path: str, cfg: DrafterConfig, seed: 
                          outtype: str = "f32") -> str:
     write_drafter(path, cfg, random_drafter_tensors(cfg, seed=seed, std=std), target_path, outtype=outtype)
     return path
+
+
+def align(ours: np.ndarray, theirs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Orders that sort each slot's candidate ids (top-k order is unspecified)."""
+    return np.argsort(ours), np.argsort(theirs)
+
+
+def compare_lattice(cand, scores, rcand, rscores, tol):
+    n = cand.shape[0]
+    for k in range(n):
+        o, r = align(cand[k], rcand[k])
+        assert (cand[k][o] == rcand[k][r]).all(), f"slot {k}: candidates differ"
+        if k == 0:
+            err = np.abs(scores[0, 0][o] - rscores[0, 0][r]).max()
+        else:
+            po, pr = align(cand[k - 1], rcand[k - 1])
+            err = np.abs(scores[k][np.ix_(po, o)] - rscores[k][np.ix_(pr, r)]).max()
+        assert err < tol, f"slot {k}: lattice differs by {err}"

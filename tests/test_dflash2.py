@@ -16,27 +16,9 @@ from llama_dflash.reference import DFlashReference
 from llama_dflash.upstream import UpstreamDrafter
 
 from hf_fixtures import GROUP, TOPK, VARIANTS, hf_tensors, write_checkpoint
-from models import MASK_ID
+from models import MASK_ID, compare_lattice
 
 ATOL = 2e-3
-
-
-def align(ours: np.ndarray, theirs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Orders that sort each slot's candidate ids (top-k order is unspecified)."""
-    return np.argsort(ours), np.argsort(theirs)
-
-
-def compare_lattice(cand, scores, rcand, rscores, tol):
-    n = cand.shape[0]
-    for k in range(n):
-        o, r = align(cand[k], rcand[k])
-        assert (cand[k][o] == rcand[k][r]).all(), f"slot {k}: candidates differ"
-        if k == 0:
-            err = np.abs(scores[0, 0][o] - rscores[0, 0][r]).max()
-        else:
-            po, pr = align(cand[k - 1], rcand[k - 1])
-            err = np.abs(scores[k][np.ix_(po, o)] - rscores[k][np.ix_(pr, r)]).max()
-        assert err < tol, f"slot {k}: lattice differs by {err}"
 
 
 def test_graph_matches_reference(artifacts, load_model, v2_drafter):

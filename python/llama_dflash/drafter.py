@@ -41,6 +41,7 @@ class DrafterInfo:
     selector_top_k: int = 0
     rope_freq_scale: float = 1.0
     rope_ext_factor: float = 0.0
+    n_vocab_draft: int = 0  # tokens it can propose: n_vocab, or its reduced (d2t) vocabulary
 
 
 def check_file(path: str | os.PathLike, what: str) -> bytes:
@@ -77,6 +78,7 @@ class Drafter(_native.Resource):
             embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
             conv_kernel_size=i.conv_kernel_size, conv_group_size=i.conv_group_size, selector_rank=i.selector_rank,
             selector_top_k=i.selector_top_k, rope_freq_scale=i.rope_freq_scale, rope_ext_factor=i.rope_ext_factor,
+            n_vocab_draft=i.n_vocab_draft,
         )
 
     def memory(self) -> dict:

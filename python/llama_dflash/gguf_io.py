@@ -249,13 +249,16 @@ def write_drafter(
 
 
 def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Tensors of a GGUF as float32 arrays in PyTorch [out, in] order (dequantized)."""
+    """Tensors of a GGUF as float32 arrays in PyTorch [out, in] order (dequantized; id maps as int64)."""
     r = GGUFReader(os.fspath(path))
     out = {}
     for t in r.tensors:
         if names is not None and t.name not in names:
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if t.tensor_type in (GGMLQuantizationType.I32, GGMLQuantizationType.I64):  # id maps (d2t) stay ids
+            out[t.name] = np.array(t.data, dtype=np.int64).reshape(shape)
+            continue
         out[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     return out
 

@@ -241,11 +241,21 @@ class DFlashReference(nn.Module):
             h = layer(h, ctx, ctx_pos, pos, self._mask(n_ctx, n_block, il))
         return self.norm(h[1:])
 
+    draft_head: torch.Tensor | None = None  # reduced vocabulary: own head rows [V_draft, H] ...
+    d2t: torch.Tensor | None = None         # ... and their target ids [V_draft]
+
     def logits(self, z: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits of the slot states z; with a reduced vocabulary the drafter's
+        own head rows are scattered to their ids and every other token gets -inf."""
         c = self.cfg
-        logits = z @ head.T * c.logit_scale
+        w = head if self.draft_head is None else self.draft_head
+        logits = z @ w.T * c.logit_scale
         if c.softcap > 0:
             logits = c.softcap * torch.tanh(logits / c.softcap)
+        if self.d2t is not None:
+            full = torch.full((z.shape[0], head.shape[0]), float("-inf"), dtype=logits.dtype)
+            full[:, self.d2t] = logits
+            logits = full
         return logits
 
     def forward(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor,
@@ -263,7 +273,12 @@ class DFlashReference(nn.Module):
         if cfg.is_v2:
             cfg.n_vocab = tensors["selector_predecessor.weight"].shape[0]
         model = cls(cfg)
+        head, d2t = tensors.pop("output.weight", None), tensors.pop("d2t", None)
         model.load_state_dict(gguf_to_hf(tensors), strict=True)
+        if head is not None:
+            model.draft_head = torch.tensor(head, dtype=torch.float32)
+        if d2t is not None:
+            model.d2t = torch.as_tensor(d2t, dtype=torch.int64)
         return model
 
 
