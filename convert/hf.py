@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader, GGUFWriter
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from ..gguf_io import DrafterConfig, TensorSource, copy_tokenizer, write_drafter
 from .safetensors_io import LazyTensor, SafetensorsError, open_checkpoint
@@ -349,6 +350,17 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     except SafetensorsError as e:
         raise ConvertError(str(e)) from None
 
+    # Reduced draft vocabulary (speculators / EAGLE-3 style): lm_head rows of draft_vocab_size
+    # tokens and d2t offsets (target id = row + d2t[row]); t2d is not used at run time.
+    vmaps: dict[str, LazyTensor] = {}
+    for name in list(tensors):
+        base = name.removeprefix("model.")
+        if base in ("d2t", "t2d", "lm_head.weight"):
+            vmaps[base] = tensors.pop(name)
+    n_draft = cfg.get("draft_vocab_size") or (cfg.get("dflash_config") or {}).get("draft_vocab_size") \
+        or target.n_vocab
+    extra = _reduced_vocab(d, cfg_path, vmaps, n_draft, c, target.n_vocab)
+
     mapped: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
         g = gguf_name(name)
@@ -368,7 +380,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
             raise ConvertError(f"{t.file}: tensor '{t.name}' has shape {list(t.shape)}, expected {list(shape)} "
                                f"({field})")
     order = list(want)  # deterministic, upstream-like order
-    srcs = [TensorSource(n, want[n], mapped[n].load, mapped[n].load_rows) for n in order]
+    srcs = [TensorSource(n, want[n], mapped[n].load, mapped[n].load_rows) for n in order] + extra
     out = Path(outfile)
     tmp = out.with_name(out.name + ".part")
     try:
@@ -379,4 +391,40 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
         tmp.unlink(missing_ok=True)
         raise
     return {"outfile": str(out), "tensors": n, "bytes": out.stat().st_size, "version": version,
-            "block_size": c.block_size, "target_layers": c.target_layer_ids, "outtype": outtype}
+            "block_size": c.block_size, "target_layers": c.target_layer_ids, "outtype": outtype,
+            "draft_vocab": n_draft}
+
+
+def _reduced_vocab(d: Path, cfg_path: Path, vmaps: dict[str, LazyTensor], n_draft, c: DrafterConfig,
+                   n_vocab: int) -> list[TensorSource]:
+    """The drafter's own head and absolute d2t ids (upstream's GGUF layout), or nothing when the
+    drafter uses the full vocabulary (a full-size lm_head is then the target's and is skipped, as
+    upstream's converter does)."""
+    if not isinstance(n_draft, int) or not 0 < n_draft <= n_vocab:
+        raise ConvertError(f"{cfg_path}: draft_vocab_size: {n_draft!r} is not in 1..{n_vocab}")
+    if "d2t" not in vmaps:
+        if n_draft < n_vocab:
+            raise ConvertError(f"{d}: draft_vocab_size {n_draft} < vocab_size {n_vocab} but there is no d2t tensor")
+        return []
+    head = vmaps.get("lm_head.weight")
+    if head is None:
+        raise ConvertError(f"{d}: a d2t map needs the drafter's own lm_head.weight")
+    if head.shape != (n_draft, c.n_embd):
+        raise ConvertError(f"{head.file}: tensor '{head.name}' has shape {list(head.shape)}, "
+                           f"expected {[n_draft, c.n_embd]} (draft_vocab_size)")
+    m = vmaps["d2t"]
+    try:
+        off = m.load_ints()
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+    if off.shape != (n_draft,):
+        raise ConvertError(f"{m.file}: d2t has shape {list(off.shape)}, expected [{n_draft}] (draft_vocab_size)")
+    ids = off + np.arange(n_draft, dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= n_vocab:
+        raise ConvertError(f"{m.file}: d2t maps draft rows outside the target vocabulary ({n_vocab} tokens)")
+    if np.unique(ids).size != ids.size:
+        raise ConvertError(f"{m.file}: d2t maps two draft rows to the same target token")
+    if c.is_v2 and c.selector_top_k > n_draft:
+        raise ConvertError(f"{cfg_path}: selector_top_k {c.selector_top_k} exceeds draft_vocab_size {n_draft}")
+    return [TensorSource("output.weight", head.shape, head.load, head.load_rows),
+            TensorSource("d2t", (n_draft,), lambda: ids, raw_type=GGMLQuantizationType.I64)]

@@ -20,6 +20,7 @@ def describe(path: str | os.PathLike) -> dict:
     c = read_drafter_config(p)
     names = {t.name for t in r.tensors}
     version = 2 if "selector_hidden.weight" in names else 1
+    d2t = next((t for t in r.tensors if t.name == "d2t"), None)
     return {
         "file": str(p), "bytes": p.stat().st_size, "version": version, "block_size": c.block_size,
         "target_layers": c.target_layer_ids, "mask_token_id": c.mask_token_id, "n_embd": c.n_embd,
@@ -28,6 +29,7 @@ def describe(path: str | os.PathLike) -> dict:
         "embedding_scale": c.embedding_scale, "rope_theta": c.rope_theta,
         "dflash2": {"conv_kernel_size": c.conv_kernel_size, "conv_group_size": c.conv_group_size,
                     "selector_rank": c.selector_rank, "selector_top_k": c.selector_top_k} if version == 2 else None,
+        "draft_vocab": int(d2t.shape[0]) if d2t is not None else None,  # None: the target's whole vocabulary
         "n_tensors": len(r.tensors),
         "types": dict(Counter(t.tensor_type.name for t in r.tensors)),
         "tensors": [(t.name, [int(x) for x in t.shape], t.tensor_type.name) for t in r.tensors],

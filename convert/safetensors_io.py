@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8)}
+_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8),
+           # id maps of reduced-vocabulary drafters (d2t offsets, t2d masks)
+           "I64": (np.int64, 8), "I32": (np.int32, 4), "BOOL": (np.bool_, 1)}
+_INT_DTYPES = ("I64", "I32", "BOOL")
 
 
 class SafetensorsError(ValueError):
@@ -34,9 +37,20 @@ class LazyTensor:
         """The tensor as float32 (bf16 widened exactly)."""
         return self.load_rows(0, self.shape[0] if self.shape else 1)
 
+    def load_ints(self) -> np.ndarray:
+        """An integer (or bool) tensor as int64."""
+        if self.dtype not in _INT_DTYPES:
+            raise SafetensorsError(f"{self.file}: tensor '{self.name}' is {self.dtype}, not an integer tensor")
+        with open(self.file, "rb") as f:
+            f.seek(self.offset)
+            a = np.fromfile(f, dtype=_DTYPES[self.dtype][0], count=int(np.prod(self.shape, dtype=np.int64)))
+        return a.astype(np.int64).reshape(self.shape)
+
     def load_rows(self, r0: int, r1: int) -> np.ndarray:
         """Rows [r0, r1) of the first dimension as float32, read (not mapped) from the file,
         so converting a large tensor chunk by chunk keeps only the chunk in memory."""
+        if self.dtype in _INT_DTYPES:
+            raise SafetensorsError(f"{self.file}: tensor '{self.name}' is {self.dtype}, not a float tensor")
         np_dtype, size = _DTYPES[self.dtype]
         row = int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
         with open(self.file, "rb") as f:
@@ -74,7 +88,7 @@ def read_header(path: str | os.PathLike) -> dict[str, LazyTensor]:
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{p}: corrupt safetensors header (entry '{name}')") from None
         if dtype not in _DTYPES:
-            raise SafetensorsError(f"{p}: tensor '{name}' has unsupported dtype {dtype} (f32, f16, bf16)")
+            raise SafetensorsError(f"{p}: tensor '{name}' has unsupported dtype {dtype} (f32, f16, bf16, f64, ids)")
         want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype][1]
         if e - b != want or b < 0 or base + e > size:
             raise SafetensorsError(f"{p}: tensor '{name}' data ({b}..{e}) does not match its shape {list(shape)} "
@@ -114,11 +128,20 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> dict[str, LazyTensor]:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], dtype: str = "F32") -> None:
-    """Write float arrays as F32 / F16 / BF16 (used by training export and test fixtures)."""
+    """Write float arrays as F32 / F16 / BF16, integer / bool arrays as I64 / BOOL (used by training
+    export and test fixtures)."""
     header: dict = {}
     blobs = []
     off = 0
     for name, a in tensors.items():
+        a = np.asarray(a)
+        if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):  # id maps keep their integer type
+            t = "BOOL" if a.dtype == np.bool_ else "I64"
+            b = np.ascontiguousarray(a, dtype=np.bool_ if t == "BOOL" else np.int64).tobytes()
+            header[name] = {"dtype": t, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+            blobs.append(b)
+            off += len(b)
+            continue
         a32 = np.ascontiguousarray(a, dtype=np.float32)
         if dtype == "F32":
             b = a32.tobytes()

@@ -57,10 +57,25 @@ VARIANTS = {
                        dflash_config={"block_size": 8, "mask_token_id": 16, "target_layer_ids": [0, 2, 4],
                                       "conv_kernel_size": K_CONV, "conv_group_size": GROUP, "selector_rank": RANK,
                                       "selector_top_k": TOPK}), {"dtype": "F16"}),
+    # reduced draft vocabulary (speculators / EAGLE-3 export style): own lm_head, d2t offsets, t2d mask
+    "v1_reduced_vocab": (base_config(block_size=16, draft_vocab_size=300,
+                                     dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2]}),
+                         {"draft_vocab": 300}),
+    "v2_reduced_vocab": (base_config(architectures=["DFlash2DraftModel"], draft_vocab_size=300,
+                                     dflash_config={"block_size": 8, "mask_token_id": 16, "target_layer_ids": [0, 2],
+                                                    "conv_kernel_size": K_CONV, "conv_group_size": GROUP,
+                                                    "selector_rank": RANK, "selector_top_k": TOPK}),
+                         {"draft_vocab": 300, "prefix": "model."}),
 }
 
 
-def hf_tensors(cfg: dict, seed: int = 0, encoder_names: bool = False, prefix: str = "") -> dict[str, np.ndarray]:
+def draft_ids(n_vocab: int, n_draft: int, seed: int = 0) -> np.ndarray:
+    """The target ids a reduced-vocabulary fixture keeps (ascending, as exports store them)."""
+    return np.sort(np.random.default_rng(seed + 99).choice(n_vocab, n_draft, replace=False)).astype(np.int64)
+
+
+def hf_tensors(cfg: dict, seed: int = 0, encoder_names: bool = False, prefix: str = "",
+               draft_vocab: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     dc = cfg.get("dflash_config", {})
     taps = dc.get("target_layer_ids", cfg.get("target_layer_ids")) or [1, 3]
@@ -96,6 +111,13 @@ def hf_tensors(cfg: dict, seed: int = 0, encoder_names: bool = False, prefix: st
         t["candidate_selector.predecessor_codebook"] = mat(cfg["vocab_size"], RANK, 0.5)
         t["candidate_selector.successor_codebook"] = mat(cfg["vocab_size"], RANK, 0.5)
         t["candidate_selector.hidden_projection.weight"] = mat(RANK, H, 0.1)
+    if draft_vocab:
+        ids = draft_ids(cfg["vocab_size"], draft_vocab, seed)
+        t["lm_head.weight"] = mat(draft_vocab, H, 0.5)
+        t["d2t"] = ids - np.arange(draft_vocab)
+        t2d = np.zeros(cfg["vocab_size"], np.bool_)
+        t2d[ids] = True
+        t["t2d"] = t2d
     return {prefix + k: v for k, v in t.items()}
 
 
@@ -119,6 +141,7 @@ def write_checkpoint(d: Path, cfg: dict, tensors: dict[str, np.ndarray], shards:
 
 def make_variant(root: Path, name: str, seed: int = 0) -> tuple[Path, dict, dict[str, np.ndarray]]:
     cfg, opt = VARIANTS[name]
-    t = hf_tensors(cfg, seed, encoder_names=opt.get("encoder_names", False), prefix=opt.get("prefix", ""))
+    t = hf_tensors(cfg, seed, encoder_names=opt.get("encoder_names", False), prefix=opt.get("prefix", ""),
+                   draft_vocab=opt.get("draft_vocab", 0))
     d = write_checkpoint(root / name, cfg, t, shards=opt.get("shards", 1), dtype=opt.get("dtype", "F32"))
     return d, cfg, t

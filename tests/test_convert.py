@@ -18,7 +18,7 @@ from llama_dflash.gguf_io import DrafterConfig, read_drafter_config, read_tensor
 from llama_dflash.reference import DFlashReference, hf_to_reference
 from llama_dflash.upstream import UpstreamDrafter
 
-from hf_fixtures import VARIANTS, hf_tensors, make_variant, write_checkpoint
+from hf_fixtures import VARIANTS, draft_ids, hf_tensors, make_variant, write_checkpoint
 from models import MASK_ID
 
 # What each variant's config must turn into (checked field by field, then used by the reference).
@@ -34,6 +34,9 @@ EXPECTED = {
     "v1_yarn": dict(block_size=16, target_layer_ids=[0, 2], rope_scaling="yarn", rope_factor=4.0, rope_orig_ctx=64),
     "v2": dict(block_size=8, target_layer_ids=[0, 2, 4], conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                selector_top_k=4),
+    "v1_reduced_vocab": dict(block_size=16, target_layer_ids=[0, 2]),
+    "v2_reduced_vocab": dict(block_size=8, target_layer_ids=[0, 2], conv_kernel_size=2, conv_group_size=16,
+                             selector_rank=8, selector_top_k=4),
 }
 
 
@@ -67,6 +70,10 @@ def draft_each(model, paths, feats, anchor, n, return_logits=False):
     return outs
 
 
+def read_gguf_ints(path, name):
+    return next(np.asarray(t.data) for t in GGUFReader(str(path)).tensors if t.name == name)
+
+
 def target_tables(path):
     t = read_tensors(path, ["token_embd.weight", "output.weight"])
     return torch.from_numpy(t["token_embd.weight"].copy()), torch.from_numpy(
@@ -90,25 +97,37 @@ def test_convert_variant(artifacts, load_model, tmp_path, name):
     feats = np.random.default_rng(3).standard_normal((40, 64 * len(exp.target_layer_ids))).astype(np.float32)
     up.push(feats)
     up.draft(123, MASK_ID, 7, return_logits=False)
-    if name == "v2":  # same greedy selector path as upstream (lattices: tests/test_dflash2.py)
+    n_draft = VARIANTS[name][1].get("draft_vocab")
+    if n_draft:
+        assert res["draft_vocab"] == n_draft
+        assert read_gguf_ints(out, "d2t").tolist() == draft_ids(1024, n_draft).tolist()  # absolute ids, as upstream
+    if name.startswith("v2"):  # same greedy selector path as upstream (lattices: tests/test_dflash2.py)
         d = Drafter(out, model, n_ctx=256, n_threads=2)
         d.push(feats)
-        assert d.draft(123, 7) == up.lattice(123, MASK_ID, 7)[2]
+        toks = d.draft(123, 7)
+        assert toks == up.lattice(123, MASK_ID, 7)[2]
+        assert not n_draft or set(toks) <= set(draft_ids(1024, n_draft).tolist())
         d.close()
         up.close()
         return
     # round trip: our runtime on the GGUF == PyTorch reference on the HF weights
     ref = DFlashReference(exp)
-    ref.load_state_dict(hf_to_reference({k: t.load() for k, t in open_checkpoint(hf_dir).items()}))
+    hf = {k.removeprefix("model."): t for k, t in open_checkpoint(hf_dir).items()}
+    vmaps = {k: hf.pop(k) for k in ("lm_head.weight", "d2t", "t2d") if k in hf}
+    ref.load_state_dict(hf_to_reference({k: t.load() for k, t in hf.items()}))
+    if vmaps:
+        ref.draft_head = torch.from_numpy(vmaps["lm_head.weight"].load())
+        ref.d2t = torch.from_numpy(vmaps["d2t"].load_ints() + np.arange(n_draft))
     embed, head = target_tables(a["target"])
     d = Drafter(out, model, n_ctx=256, n_threads=2)
     d.push(feats)
     ids, logits = d.draft(123, 7, return_logits=True)
     with torch.no_grad():
         want = ref(torch.from_numpy(feats), torch.tensor([123] + [MASK_ID] * 7), embed, head).numpy()
-    assert np.abs(logits - want).max() < 2e-3
+    fin = np.isfinite(want)
+    assert (np.isfinite(logits) == fin).all() and np.abs(logits[fin] - want[fin]).max() < 2e-3
     up_logits = up.draft(123, MASK_ID, 7)
-    assert np.abs(logits - up_logits).max() < 1e-4
+    assert (np.isfinite(up_logits) == fin).all() and np.abs(logits[fin] - up_logits[fin]).max() < 1e-4
     d.close()
     up.close()
 
@@ -314,3 +333,36 @@ def test_target_as_hf_directory(artifacts, load_model, tmp_path):
     (tmp_path / "u" / "target-hf" / "tokenizer.json").unlink()
     with pytest.raises(ConvertError, match="has no tokenizer.json"):
         convert_hf_to_gguf(hf, tmp_path / "u" / "target-hf", tmp_path / "x.gguf")
+
+
+def test_reduced_vocab_errors(artifacts, tmp_path):
+    tgt = artifacts["llama"]["target"]
+    cfg, opt = VARIANTS["v1_reduced_vocab"]
+
+    def convert(cfg_change=None, drop=(), **tensors):
+        c = json.loads(json.dumps(cfg))
+        c.update(cfg_change or {})
+        t = hf_tensors(c, draft_vocab=opt["draft_vocab"])
+        for k in drop:
+            del t[k]
+        t.update(tensors)
+        d = write_checkpoint(tmp_path / "r", c, t)
+        convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+
+    ids = draft_ids(1024, 300)
+    cases = [
+        (dict(drop=("d2t",)), "draft_vocab_size 300 < vocab_size 1024 but there is no d2t tensor"),
+        (dict(drop=("lm_head.weight",)), "a d2t map needs the drafter's own lm_head.weight"),
+        (dict(d2t=np.r_[ids[:-1], 1024] - np.arange(300)), "d2t maps draft rows outside the target vocabulary"),
+        (dict(d2t=np.r_[ids[:-1], ids[0]] - np.arange(300)), "d2t maps two draft rows to the same target token"),
+        (dict(d2t=np.zeros(5, np.int64)), "d2t has shape [5], expected [300]"),
+        (dict(lm_head=None, **{"lm_head.weight": np.zeros((299, 64), np.float32)}), "expected [300, 64]"),
+        (dict(cfg_change={"draft_vocab_size": 5000}), "draft_vocab_size: 5000 is not in 1..1024"),
+        (dict(d2t=np.zeros(300, np.float32)), "d2t' is F32, not an integer tensor"),
+    ]
+    for kw, msg in cases:
+        kw.pop("lm_head", None)
+        with pytest.raises(ConvertError) as e:
+            convert(**kw)
+        assert msg in str(e.value), (msg, str(e.value))
+        assert not (tmp_path / "o.gguf").exists()

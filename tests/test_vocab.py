@@ -217,3 +217,33 @@ def test_bad_reduced_vocabularies_are_clear_errors(artifacts, v2_drafter, tmp_pa
         with pytest.raises(DFlashError, match=msg):
             SpeculativeGenerator(a["target"], bad)
             pytest.fail(f"case {i} ({msg}) loaded")
+
+
+def test_cli_reduce_vocab(artifacts, v2_drafter, tmp_path, capsys):
+    from llama_dflash.cli import main
+
+    a = artifacts["llama"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 20)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([5, 5, 5, 6, 700], np.int32))
+    out = tmp_path / "small.gguf"
+    assert main(["reduce-vocab", str(v2_drafter), "--target", a["target"], "--size", "64", "--tokens", str(text),
+                 str(ids), "--out", str(out)]) == 0
+    assert "64 draft tokens covering 100.00%" in capsys.readouterr().out
+    d2t = next(np.asarray(t.data) for t in GGUFReader(str(out)).tensors if t.name == "d2t")
+    assert {5, 6, 700} <= set(d2t.tolist()) and len(d2t) == 64
+    with SpeculativeGenerator(a["target"], out, n_ctx=256) as g:
+        assert g.drafter_info.n_vocab_draft == 64
+    assert main(["inspect", str(out)]) == 0
+    assert "draft vocabulary: 64 tokens (d2t, own head)" in capsys.readouterr().out
+    for args, msg in [(["--tokens", str(tmp_path / "none.txt")], "token source not found"),
+                      (["--tokens", str(text), "--size", "5000"], "must lie in 1..1024"),
+                      (["--drafter", str(tmp_path / "no.gguf")], "drafter file not found")]:
+        argv = {"--drafter": str(v2_drafter), "--target": a["target"], "--size": "64", "--tokens": str(text),
+                "--out": str(tmp_path / "e.gguf")}
+        argv.update(dict(zip(args[::2], args[1::2], strict=True)))
+        drafter = argv.pop("--drafter")
+        assert main(["reduce-vocab", drafter, *[x for kv in argv.items() for x in kv]]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import cffi
-import llama_cpp  # noqa: F401  (must load libllama before the core)
+import llama_cpp  # (imported first: it loads the libllama the core binds to)
 
 _HERE = Path(__file__).resolve().parent
 
@@ -98,3 +98,32 @@ class Resource:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone
             self.close()
+
+
+class Tokenizer(Resource):
+    """A GGUF model's tokenizer alone: a vocab-only load (no weights, no context, no log noise)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._model = None
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(os.fspath(path).encode(), params)
+        if not self._model:
+            raise ValueError(f"cannot read the vocabulary of {os.fspath(path)!r} (not a GGUF model?)")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+    def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list[int]:
+        n_max = len(text) + 8
+        while True:
+            buf = (llama_cpp.llama_token * n_max)()
+            n = llama_cpp.llama_tokenize(self._vocab, text, len(text), buf, n_max, add_bos, special)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n
+
+    def close(self) -> None:
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None

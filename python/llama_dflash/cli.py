@@ -217,6 +217,18 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reduce_vocab(a: argparse.Namespace) -> int:
+    from .vocab import choose_vocab, eog_ids, read_token_sources, reduce_vocab
+
+    counts = read_token_sources(a.target, a.tokens)
+    keep = choose_vocab(counts, a.size, eog_ids(a.target))
+    out = reduce_vocab(a.drafter, a.target, a.out, keep)
+    covered = counts[keep].sum() / max(1, counts.sum())
+    print(f"wrote {out}: {a.size} draft tokens covering {100 * covered:.2f}% of {int(counts.sum())} counted "
+          f"tokens, {out.stat().st_size / 2**20:.1f} MiB")
+    return 0
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     from .convert import describe
 
@@ -234,6 +246,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"{info['head_dim']}, ffn {info['n_ff']}, causal {info['causal']}, sliding window {info['sliding_window']}")
     if info["dflash2"]:
         print("  DFlash2: " + ", ".join(f"{k} {v}" for k, v in info["dflash2"].items()))
+    print("  draft vocabulary: " + (f"{info['draft_vocab']} tokens (d2t, own head)" if info["draft_vocab"]
+                                    else "the target's (borrowed head)"))
     print(f"  {info['n_tensors']} tensors: " + ", ".join(f"{n} {k}" for k, n in info["types"].items()))
     for name, shape, typ in info["tensors"]:
         print(f"    {name:40s} {str(shape):24s} {typ}")
@@ -431,6 +445,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     c.add_argument("--verbose", action="store_true")
     c.set_defaults(func=cmd_convert)
+    r = sub.add_parser("reduce-vocab", help="a drafter that proposes only the N most frequent tokens (cheaper "
+                                            "drafting on CPU; outputs stay exact)")
+    r.add_argument("drafter", help="a drafter GGUF that borrows the target's head")
+    r.add_argument("--target", required=True, help="the target GGUF (its head rows are copied)")
+    r.add_argument("--size", type=int, required=True, help="draft vocabulary size, e.g. 8192")
+    r.add_argument("--tokens", nargs="+", required=True,
+                   help="what to count: text files (tokenized with the target) or .npy token-id arrays")
+    r.add_argument("--out", required=True)
+    r.add_argument("--verbose", action="store_true")
+    r.set_defaults(func=cmd_reduce_vocab)
     i = sub.add_parser("inspect", help="describe a drafter GGUF (and whether it fits a target)")
     i.add_argument("file")
     i.add_argument("--target", default=None)

@@ -130,12 +130,15 @@ class TensorSource:
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
     load_rows: Callable[[int, int], np.ndarray] | None = None
+    raw_type: GGMLQuantizationType | None = None  # load() returns data already in this type (e.g. I64 ids)
 
 
 _CHUNK_BYTES = 32 << 20
 
 
 def _encode_source(t: TensorSource, qt: GGMLQuantizationType) -> np.ndarray:
+    if t.raw_type is not None:
+        return np.ascontiguousarray(t.load())
     if t.load_rows is None or len(t.shape) < 2:
         return _encode(t.load(), qt)
     row = int(np.prod(t.shape[1:]))
@@ -223,13 +226,14 @@ def write_drafter(
     write_vocab(w)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
 
-    types = [tensor_type(t.name, t.shape, outtype) for t in srcs]
+    types = [t.raw_type or tensor_type(t.name, t.shape, outtype) for t in srcs]
     total = 0
     for t, qt in zip(srcs, types, strict=True):
         block, size = GGML_QUANT_SIZES[qt]
         nbytes = int(np.prod(t.shape)) // block * size
         byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
-        dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(qt, np.uint8)
+        dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.I64: np.int64, GGMLQuantizationType.I32: np.int32}.get(qt, np.uint8)
         w.add_tensor_info(t.name, byte_shape if dtype is np.uint8 else t.shape, np.dtype(dtype), nbytes,
                           raw_dtype=qt)
         total += nbytes

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._native import Tokenizer
 from .batchgen import BatchGenerator, Job
 from .prompts import Prompt, chatml
 
@@ -68,12 +69,6 @@ class Progress:
         sys.stderr.flush()
 
 
-def _tokenizer(target: str):
-    import llama_cpp
-
-    return llama_cpp.Llama(target, vocab_only=True, verbose=False)
-
-
 def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log=print) -> Path:
     """Stage 1: the target's greedy (and some sampled) responses, batched; appends to responses.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +82,7 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
                 except json.JSONDecodeError:  # a line cut by an interrupted run
                     continue
                 done.add((r["key"], r["temperature"]))
-    tok = _tokenizer(spec.target)
+    tok = Tokenizer(spec.target)
     jobs, meta = [], {}
     for i, p in enumerate(prompts):
         ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)

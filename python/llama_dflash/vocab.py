@@ -76,6 +76,9 @@ def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str
     The drafter must borrow the target's head (no output.weight of its own, no d2t yet);
     the head rows are copied in the target's own encoding.
     """
+    from .drafter import check_file
+
+    check_file(drafter, "drafter")
     d = GGUFReader(os.fspath(drafter))
     arch = d.fields.get("general.architecture")
     if arch is None or arch.contents() != ARCH:
@@ -108,6 +111,26 @@ def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str
     w.close()
     os.replace(tmp, out)
     return out
+
+
+def read_token_sources(target: str | os.PathLike, paths: Sequence[str | os.PathLike]) -> np.ndarray:
+    """Token counts over the target's vocabulary from .npy id arrays and text files (tokenized
+    with the target's own tokenizer)."""
+    from ._native import Tokenizer
+    from .drafter import check_file
+
+    check_file(target, "target model")
+    tok = Tokenizer(target)
+    n_vocab = tok.n_vocab
+
+    def load(p: Path) -> np.ndarray:
+        if not p.is_file():
+            raise FileNotFoundError(f"token source not found: {p}")
+        if p.suffix == ".npy":
+            return np.load(p)
+        return np.asarray(tok.tokenize(p.read_bytes(), add_bos=False, special=False), np.int64)
+
+    return token_counts(n_vocab, (load(Path(p)) for p in paths))
 
 
 def eog_ids(target: str | os.PathLike) -> list[int]:
