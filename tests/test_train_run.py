@@ -47,8 +47,13 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     cfg = json.loads((out / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 8
     assert (out / "hf" / "model.safetensors").is_file() and (out / "ckpt-v2.pt").is_file()
+    # the shipped file proposes the 256 most frequent tokens; the full-vocabulary conversion is kept
+    assert s["gguf"]["draft_vocab"] == 256
+    assert s["data"]["held_out_sequences"] == 0 and s["gguf"]["held_out_coverage"] is None  # nothing to measure on
+    assert (out / "drafter-fullvocab.gguf").is_file()
     with SpeculativeGenerator(target, out / "drafter.gguf", n_ctx=256) as g:
         assert g.drafter_info.version == 2 and g.drafter_info.block_size == 8
+        assert g.drafter_info.n_vocab_draft == 256 < g.drafter_info.n_vocab
         toks = g.tokenize(chatml("Write a Python function that reverses a list."))
         plain = g.generate(toks, 24, draft_len=0, stop_on_eos=False)
         spec = g.generate(toks, 24, draft_len=7, stop_on_eos=False)
@@ -61,6 +66,13 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     # other settings in the same directory are refused, in one line
     assert main(["train", "--smoke", "--target", target, "--out", str(out), "--v1-steps", "9"]) == 2
     assert "other settings" in capsys.readouterr().err
+    # a run recorded before a setting existed resumes with this call's value (here: reduces the vocabulary)
+    sp = json.loads((out / "summary.json").read_text())
+    del sp["spec"]["draft_vocab"]
+    (out / "summary.json").write_text(json.dumps(sp))
+    (out / "drafter.gguf").unlink()
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gguf"]["draft_vocab"] == 256 and (out / "drafter.gguf").is_file()
 
 
 def test_train_cli_errors(artifacts, tmp_path, capsys):

@@ -188,14 +188,14 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "max_sequences", "v1_steps", "v2_steps", "n_layer", "block_size", "outtype",
-              "seed"):
+              "seed", "draft_vocab"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
     if (spec.prompts < 0 or spec.max_sequences < 0 or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1
-            or spec.block_size < 2 or spec.n_layer < 1):
-        raise ValueError("--prompts and --max-sequences must be >= 0; --max-new, steps, --n-layer >= 1; "
-                         "--block-size >= 2")
+            or spec.block_size < 2 or spec.n_layer < 1 or spec.draft_vocab < 0):
+        raise ValueError("--prompts, --max-sequences and --draft-vocab must be >= 0; --max-new, steps, --n-layer "
+                         ">= 1; --block-size >= 2")
     s = run(a.out, spec)
     if a.json:
         print(json.dumps(s))
@@ -435,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=None)
     t.add_argument("--outtype", default=None, choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)

@@ -56,13 +56,15 @@ class RunSpec:
     outtype: str = "q8_0"
     whiten_features: bool = True        # train fc on standardised features (folded into fc on export)
     seed: int = 0
+    draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
+                                        # data (0 = the target's whole vocabulary); cuts the head's cost
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
         """Tiny data and a few steps, end to end through export and conversion (tests)."""
         return cls(target=target, prompts=6, max_sequences=0, max_new=24, n_seq=4, v1_steps=6, v2_steps=6,
                    seqs_per_step=2, anchors_per_seq=8, eval_every=3, ckpt_every=2, selector_rank=16,
-                   selector_top_k=4, outtype="f16")
+                   selector_top_k=4, outtype="f16", draft_vocab=256)
 
 
 def _target_config(target: str) -> dict:
@@ -166,7 +168,9 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    if summary.get("spec", asdict(spec)) != asdict(spec):
+    # a setting added since the run was started (e.g. draft_vocab, a final stage) takes this call's value
+    stored = {**asdict(spec), **summary.get("spec", {})}
+    if stored != asdict(spec):
         raise ValueError(f"{out} holds a run with other settings (see {summary_path}); use another directory")
     summary["spec"] = asdict(spec)
     walls = summary.setdefault("wall_s", {})
@@ -223,12 +227,32 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 
     hf_dir = stage("export", lambda: export_hf(model, tinfo, out / "hf"))
     gguf = out / "drafter.gguf"
-    conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, gguf, outtype=spec.outtype))
-    summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype}
+    reduce = 0 < spec.draft_vocab < tinfo["n_vocab"]
+    full = out / "drafter-fullvocab.gguf" if reduce else gguf
+    conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, full, outtype=spec.outtype))
+    summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype, "draft_vocab": None}
+    if reduce:
+        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, spec, full, gguf)))
     summary_path.write_text(json.dumps(summary, indent=1))
     say(f"done: {gguf} ({conv['bytes'] / 2**20:.1f} MiB); wall times {walls}")
     logf.close()
     return summary
+
+
+def _reduce(ds: Dataset, spec: RunSpec, full: Path, out: Path) -> dict:
+    """The shipped drafter: the draft_vocab tokens most frequent in the training sequences (prompts
+    and responses; the target's end-of-generation ids always kept).  Coverage is measured on the
+    held-out responses."""
+    from .vocab import choose_vocab, eog_ids, reduce_vocab, token_counts
+
+    n_vocab = read_target(spec.target).n_vocab
+    counts = token_counts(n_vocab, (ds.sequence(i)[0] for i in ds.train_ids))
+    keep = choose_vocab(counts, spec.draft_vocab, eog_ids(spec.target))
+    reduce_vocab(full, spec.target, out, keep)
+    held = np.concatenate([ds.sequence(i)[0][ds.sequence(i)[2]:] for i in ds.val_ids] or [np.zeros(0, np.int64)])
+    covered = float(np.isin(held, keep).mean()) if held.size else None
+    return {"bytes": out.stat().st_size, "draft_vocab": int(keep.size), "held_out_coverage": covered,
+            "full_vocab_path": str(full)}
 
 
 def summary_of(out: str | Path) -> dict:
