@@ -6,7 +6,8 @@ Measures, side by side in one run:
      `dflash` graph in libllama on the same GGUF (random weights, 576 hidden, 2 and 5 layers, 5 taps);
      and DFlash2 (convs + selector, K = 16, rank 256) vs DFlash v1 on the same backbone, ours vs upstream;
   3. verify cost t(k)/t(1), k = 1..16 (the loop verifying k rows, all drafts rejected);
-  4. the loop's own overhead beyond draft + verify with a replay drafter at fixed acceptance.
+  4. the loop's own overhead beyond draft + verify with a replay drafter at fixed acceptance;
+  5. (--only reduced_vocab) DFlash2 step time with the full head vs reduced draft vocabularies.
 
 Usage: python bench/bench_core.py [--ftype q4_0] [--tokens 128] [--out bench/results/core.json]
 """
@@ -141,6 +142,50 @@ def dflash2_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
     return res
 
 
+def reduced_vocab_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
+    """DFlash2 (2 layers) with the target's whole 49152-token head vs reduced draft vocabularies
+    (d2t + own head rows, copied from the target's head), ours vs upstream on the same files."""
+    from llama_dflash.vocab import reduce_vocab
+
+    model = llama_cpp.llama_model_load_from_file(str(target).encode(), llama_cpp.llama_model_default_params())
+    rng = np.random.default_rng(2)
+    feats = rng.standard_normal((4096, len(TAPS) * 576)).astype(np.float32)
+    full = drafter_gguf(target, 2, tmp, v2=True)
+    paths = {"49152": full}
+    for size in (16384, 8192, 4096):  # which ids are kept does not change the cost
+        paths[str(size)] = reduce_vocab(full, target, tmp / f"v2-{size}.gguf", np.arange(size))
+    ds = {k: (Drafter(p, model, n_ctx=2048, n_threads=threads),
+              UpstreamDrafter(str(p), model, n_ctx=2048, n_threads=threads, exact=False)) for k, p in paths.items()}
+    for d, u in ds.values():
+        d.push(feats[:256])
+        u.push(feats[:256])
+    res = {}
+    pos = 256
+    for n in (3, 7):
+        t = {k: ([], []) for k in ds}
+        for _ in range(reps):
+            rows = feats[pos:pos + n + 1]
+            for k, (d, u) in ds.items():  # every size in turn: drift hits all alike
+                t0 = time.perf_counter()
+                d.push(rows)
+                d.draft(100, n)
+                t1 = time.perf_counter()
+                u.push(rows)
+                u.lattice(100, 16, n)
+                t[k][0].append(t1 - t0)
+                t[k][1].append(time.perf_counter() - t1)
+            pos += n + 1
+        for k, (o, u) in t.items():
+            mo, mu = statistics.median(o) * 1e3, statistics.median(u) * 1e3
+            res[f"v{k}_n{n}"] = {"draft_vocab": int(k), "n": n, "ours_ms": mo, "upstream_ms": mu,
+                                 "ours_over_upstream": mo / mu}
+    for d, u in ds.values():
+        d.close()
+        u.close()
+    llama_cpp.llama_model_free(model)
+    return res
+
+
 def verify_cost(target: Path, threads: int) -> dict:
     with SpeculativeGenerator(target, n_ctx=2048, n_threads=threads) as g:
         toks = g.tokenize(PROMPT)
@@ -195,12 +240,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/core.json")
+    ap.add_argument("--only", choices=["reduced_vocab"], default=None,
+                    help="run one part and merge it into --out (its command and date recorded with it)")
     a = ap.parse_args()
     _logger.set_verbose(False)
     target = default_target(a.ftype)
+    command = " ".join([Path(sys.executable).name] + sys.argv)
+    if a.only:
+        res = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
+        with tempfile.TemporaryDirectory() as tmp:
+            res[a.only] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"),
+                           "steps": reduced_vocab_steps(target, Path(tmp), a.threads, a.reps)}
+        for v in res[a.only]["steps"].values():
+            print(f"draft vocab {v['draft_vocab']:5d}, n = {v['n']}: ours {v['ours_ms']:.2f} ms, "
+                  f"upstream {v['upstream_ms']:.2f} ms ({v['ours_over_upstream']:.2f}x)")
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        print("saved", a.out)
+        return 0
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-           "threads": a.threads, "target": f"SmolLM2-135M-Instruct {a.ftype.upper()}",
-           "command": " ".join([Path(sys.executable).name] + sys.argv)}
+           "threads": a.threads, "target": f"SmolLM2-135M-Instruct {a.ftype.upper()}", "command": command}
     with tempfile.TemporaryDirectory() as tmp:
         res["decode_tok_s"] = decode_speed(target, a.tokens, a.threads)
         print("decode tok/s:", json.dumps(res["decode_tok_s"]))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import cffi
 import llama_cpp  # (imported first: it loads the libllama the core binds to)
+from llama_cpp import _logger
 
 _HERE = Path(__file__).resolve().parent
 
@@ -103,8 +104,10 @@ class Resource:
 class Tokenizer(Resource):
     """A GGUF model's tokenizer alone: a vocab-only load (no weights, no context, no log noise)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, verbose: bool | None = False) -> None:
         self._model = None
+        if verbose is not None:  # None: leave llama.cpp's log level as the caller set it
+            _logger.set_verbose(verbose)
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True

@@ -234,7 +234,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     if reduce:
         summary["gguf"].update(stage("vocab", lambda: _reduce(ds, spec, full, gguf)))
     summary_path.write_text(json.dumps(summary, indent=1))
-    say(f"done: {gguf} ({conv['bytes'] / 2**20:.1f} MiB); wall times {walls}")
+    say(f"done: {gguf} ({summary['gguf']['bytes'] / 2**20:.1f} MiB); wall times {walls}")
     logf.close()
     return summary
 
