@@ -1139,12 +1139,15 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         }
     }
 
-    // Backends: the device holding the target's head, plus the CPU.
+    // Backends: the device holding the target's head (also when the drafter has its own), plus the CPU.
     if (ok) {
         d->cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);
         ggml_backend_t main_be = NULL;
-        if (d->head && d->head->buffer) {
-            ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(d->head->buffer));
+        struct ggml_tensor * t_head = d->head;
+        if (!t_head) t_head = target_tensor(target, "output.weight", false);
+        if (!t_head) t_head = target_tensor(target, "token_embd.weight", false);
+        if (t_head && t_head->buffer) {
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t_head->buffer));
             if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
         }
         if (main_be) d->backends[d->n_backends++] = main_be;
@@ -1185,7 +1188,7 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         d->sel_pred = DUP(m_sel[0]);
         d->sel_succ = DUP(m_sel[1]);
         d->sel_hidden = DUP(m_sel[2]);
-        if (hp->n_vocab_draft < hp->n_vocab || ggml_get_tensor(meta, "d2t")) {
+        if (ggml_get_tensor(meta, "d2t")) {
             // held as I32 (what get_rows takes as indices); read_weights converts the file's I64
             d->d2t = ggml_new_tensor_1d(d->ctx_w, GGML_TYPE_I32, hp->n_vocab_draft);
             ggml_set_name(d->d2t, "d2t");
