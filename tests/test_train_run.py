@@ -4,6 +4,7 @@ and the held-out HumanEval set."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -79,11 +80,31 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
     assert main(["train", "--smoke", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
-    for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"]):
+    for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"], ["--draft-vocab", "-1"]):
         assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"),
                      *bad]) == 2, bad
         err = capsys.readouterr().err
         assert "must be >= " in err and err.count("\n") == 1
+
+
+def test_bad_settings_are_refused_before_any_data(artifacts, tmp_path, capsys):
+    """What conversion or loading would refuse at the end is refused at the start (no run directory)."""
+    from llama_dflash.train_run import RunSpec, run
+
+    target = artifacts["llama"]["target"]  # 6 layers, hidden 64, vocabulary 1024
+    out = tmp_path / "r"
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--draft-vocab", "3"]) == 2
+    assert "smaller than selector_top_k 4" in capsys.readouterr().err and not out.exists()
+    for kw, msg in [(dict(taps=[1, 5]), "tap 5 is not a usable layer of the target (0..4 of 6)"),
+                    (dict(selector_top_k=8), "selector_top_k 8 needs a hidden size >= K(K+1) = 72 (target: 64)"),
+                    (dict(conv_group_size=24), "conv_group_size 24 does not divide the hidden size 64"),
+                    (dict(mask_token_id=5000), "mask token 5000 lies outside the target vocabulary")]:
+        spec = RunSpec.smoke(target)
+        for k, v in kw.items():
+            setattr(spec, k, v)
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            run(out, spec)
+        assert not out.exists()
 
 
 def test_interrupted_training_resumes_to_the_same_weights(artifacts, tmp_path):

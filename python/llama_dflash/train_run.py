@@ -89,10 +89,25 @@ def _target_config(target: str) -> dict:
             "context_length": int(get("context_length", 8192))}
 
 
+def check_spec(spec: RunSpec, t: dict) -> None:
+    """What the runtime and the converter would refuse, refused before any data is generated."""
+    usable = t["n_layer"] - 2  # the last layer's output is pruned to output rows inside llama.cpp
+    bad = [i for i in spec.taps if not 0 <= i <= usable]
+    if bad:
+        raise ValueError(f"tap {bad[0]} is not a usable layer of the target (0..{usable} of {t['n_layer']})")
+    if not 0 <= spec.mask_token_id < t["n_vocab"]:
+        raise ValueError(f"mask token {spec.mask_token_id} lies outside the target vocabulary ({t['n_vocab']})")
+    E, K = t["n_embd"], spec.selector_top_k
+    if E % spec.conv_group_size:
+        raise ValueError(f"conv_group_size {spec.conv_group_size} does not divide the hidden size {E}")
+    if K * (K + 1) > E:
+        raise ValueError(f"selector_top_k {K} needs a hidden size >= K(K+1) = {K * (K + 1)} (target: {E})")
+    if 0 < spec.draft_vocab < K:
+        raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
+
+
 def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
     """The drafter's shape for target config t (from _target_config)."""
-    if max(spec.taps) >= t["n_layer"]:
-        raise ValueError(f"tap {max(spec.taps)} is past the target's {t['n_layer']} layers")
     cfg = DrafterConfig(n_embd=t["n_embd"], n_layer=spec.n_layer, n_head=t["n_head"], n_head_kv=t["n_head_kv"],
                         head_dim=t["head_dim"], n_ff=spec.n_ff or t["n_ff"], target_layer_ids=list(spec.taps),
                         block_size=spec.block_size, mask_token_id=spec.mask_token_id, rope_theta=t["rope_theta"],
@@ -154,10 +169,11 @@ def _init_v2_from_v1(v2: DFlashReference, v1_state: dict, seed: int) -> None:
 def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     """Run (or resume) the whole recipe into directory `out`; returns the summary."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tinfo = _target_config(spec.target)
     if spec.taps is None:
         spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
+    check_spec(spec, tinfo)
+    out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
     def say(msg: str) -> None:
