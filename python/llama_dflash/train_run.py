@@ -34,7 +34,7 @@ class RunSpec:
     prompts: int = 1500                 # training prompts (0 = all)
     max_new: int = 192
     n_seq: int = 8
-    max_sequences: int = 900            # use at most this many generated sequences (0 = all): feature capture
+    max_sequences: int = 0              # use at most this many generated sequences (0 = all): feature capture
                                         # is a second target pass over the data, as slow as generating it
     taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
     n_layer: int = 2
