@@ -101,6 +101,17 @@ class Resource:
             self.close()
 
 
+def tokenize(vocab, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+    """llama_tokenize into a buffer of the size it asks for."""
+    n_max = len(data) + 16
+    buf = (llama_cpp.llama_token * n_max)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
+    if n < 0:
+        buf = (llama_cpp.llama_token * -n)()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, -n, add_special, parse_special)
+    return list(buf[:n])
+
+
 class Tokenizer(Resource):
     """A GGUF model's tokenizer alone: a vocab-only load (no weights, no context, no log noise)."""
 
@@ -118,13 +129,7 @@ class Tokenizer(Resource):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
     def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list[int]:
-        n_max = len(text) + 8
-        while True:
-            buf = (llama_cpp.llama_token * n_max)()
-            n = llama_cpp.llama_tokenize(self._vocab, text, len(text), buf, n_max, add_bos, special)
-            if n >= 0:
-                return list(buf[:n])
-            n_max = -n
+        return tokenize(self._vocab, text, add_bos, special)
 
     def close(self) -> None:
         if self._model:

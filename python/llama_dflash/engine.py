@@ -181,14 +181,7 @@ class SpeculativeGenerator(_native.Resource):
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of text; special tokens written in the text (chat markers) are parsed,
         as llama_cpp.Llama.create_completion does."""
-        data = text.encode("utf-8")
-        n_max = len(data) + 16
-        buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            buf = (llama_cpp.llama_token * -n)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, parse_special)
-        return list(buf[:n])
+        return _native.tokenize(self._vocab, text.encode("utf-8"), add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         out = bytearray()

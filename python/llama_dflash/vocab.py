@@ -120,17 +120,15 @@ def read_token_sources(target: str | os.PathLike, paths: Sequence[str | os.PathL
     from .drafter import check_file
 
     check_file(target, "target model")
-    tok = Tokenizer(target)
-    n_vocab = tok.n_vocab
+    with Tokenizer(target) as tok:
+        def load(p: Path) -> np.ndarray:
+            if not p.is_file():
+                raise FileNotFoundError(f"token source not found: {p}")
+            if p.suffix == ".npy":
+                return np.load(p)
+            return np.asarray(tok.tokenize(p.read_bytes(), add_bos=False, special=False), np.int64)
 
-    def load(p: Path) -> np.ndarray:
-        if not p.is_file():
-            raise FileNotFoundError(f"token source not found: {p}")
-        if p.suffix == ".npy":
-            return np.load(p)
-        return np.asarray(tok.tokenize(p.read_bytes(), add_bos=False, special=False), np.int64)
-
-    return token_counts(n_vocab, (load(Path(p)) for p in paths))
+        return token_counts(tok.n_vocab, (load(Path(p)) for p in paths))
 
 
 def eog_ids(target: str | os.PathLike) -> list[int]:
