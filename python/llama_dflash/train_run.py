@@ -248,24 +248,24 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, full, outtype=spec.outtype))
     summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype, "draft_vocab": None}
     if reduce:
-        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, spec, full, gguf)))
+        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, spec, tinfo["n_vocab"], full, gguf)))
     summary_path.write_text(json.dumps(summary, indent=1))
     say(f"done: {gguf} ({summary['gguf']['bytes'] / 2**20:.1f} MiB); wall times {walls}")
     logf.close()
     return summary
 
 
-def _reduce(ds: Dataset, spec: RunSpec, full: Path, out: Path) -> dict:
+def _reduce(ds: Dataset, spec: RunSpec, n_vocab: int, full: Path, out: Path) -> dict:
     """The shipped drafter: the draft_vocab tokens most frequent in the training sequences (prompts
     and responses; the target's end-of-generation ids always kept).  Coverage is measured on the
     held-out responses."""
     from .vocab import choose_vocab, eog_ids, reduce_vocab, token_counts
 
-    n_vocab = read_target(spec.target).n_vocab
     counts = token_counts(n_vocab, (ds.sequence(i)[0] for i in ds.train_ids))
     keep = choose_vocab(counts, spec.draft_vocab, eog_ids(spec.target))
     reduce_vocab(full, spec.target, out, keep)
-    held = np.concatenate([ds.sequence(i)[0][ds.sequence(i)[2]:] for i in ds.val_ids] or [np.zeros(0, np.int64)])
+    held = [toks[start:] for toks, _, start in map(ds.sequence, ds.val_ids)]  # held-out responses
+    held = np.concatenate(held or [np.zeros(0, np.int64)])
     covered = float(np.isin(held, keep).mean()) if held.size else None
     return {"bytes": out.stat().st_size, "draft_vocab": int(keep.size), "held_out_coverage": covered,
             "full_vocab_path": str(full)}
