@@ -165,3 +165,16 @@ def compare_lattice(cand, scores, rcand, rscores, tol):
             po, pr = align(cand[k - 1], rcand[k - 1])
             err = np.abs(scores[k][np.ix_(po, o)] - rscores[k][np.ix_(pr, r)]).max()
         assert err < tol, f"slot {k}: lattice differs by {err}"
+
+
+def reference_draft(ref, feats, anchor: int, n: int, embed, head):
+    """The PyTorch reference's DFlash2 draft after `anchor` on context `feats`: (logits, cand,
+    lattice scores, greedy tokens, q)."""
+    import torch
+
+    with torch.no_grad():
+        z = ref.hidden(torch.from_numpy(feats), torch.tensor([anchor] + [MASK_ID] * n), embed)
+        lg = ref.logits(z, head)
+        cand, scores = ref.candidate_selector.lattice(z, lg, anchor)
+        toks, q = ref.candidate_selector.walk(cand, scores)
+    return lg.numpy(), cand.numpy(), scores.numpy(), toks, q

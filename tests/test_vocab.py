@@ -18,7 +18,7 @@ from llama_dflash.upstream import UpstreamDrafter
 from llama_dflash.vocab import _copy_fields, choose_vocab, reduce_vocab, token_counts
 
 from hf_fixtures import TOPK
-from models import MASK_ID, VOCAB, compare_lattice
+from models import MASK_ID, VOCAB, compare_lattice, reference_draft
 
 ATOL = 2e-3
 
@@ -98,15 +98,11 @@ def test_dflash2_graph_matches_reference_and_upstream(artifacts, load_model, v2_
         anchor = int(rng.integers(20, 1000))
         toks, logits = d.draft(anchor, n, return_logits=True)
         cand, scores = d.last_lattice()
-        with torch.no_grad():
-            z = ref.hidden(torch.from_numpy(feats[:done]), torch.tensor([anchor] + [MASK_ID] * n), embed)
-            lg = ref.logits(z, head)
-            rcand, rscores = ref.candidate_selector.lattice(z, lg, anchor)
-            rtoks, _ = ref.candidate_selector.walk(rcand, rscores)
+        lg, rcand, rscores, rtoks, _ = reference_draft(ref, feats[:done], anchor, n, embed, head)
         out = ~np.isin(np.arange(VOCAB), keep)
-        assert np.isneginf(logits[:, out]).all() and np.isneginf(lg.numpy()[:, out]).all()
-        assert np.abs(logits[:, keep] - lg.numpy()[:, keep]).max() < ATOL
-        compare_lattice(cand, scores, rcand.numpy(), rscores.numpy(), ATOL)
+        assert np.isneginf(logits[:, out]).all() and np.isneginf(lg[:, out]).all()
+        assert np.abs(logits[:, keep] - lg[:, keep]).max() < ATOL
+        compare_lattice(cand, scores, rcand, rscores, ATOL)
         assert toks == rtoks and set(toks) <= kept and set(cand.ravel().tolist()) <= kept
         ucand, uscores, utoks = up.lattice(anchor, MASK_ID, n)
         compare_lattice(cand, scores, ucand, uscores, 1e-4)
