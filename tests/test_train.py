@@ -148,21 +148,75 @@ def test_dflash2_stage_trains_the_selector_and_exports_through_the_converter(art
 def test_selector_loss_forces_a_missing_label_into_the_candidates():
     """At init the label is rarely in the top-K: the selector loss still has a target (the K-th
     candidate is overwritten with the label), and recall reports how often it was present."""
-    from models import TargetSpec, drafter_config
+    model = _selector_model()
+    embed = torch.randn(1024, model.cfg.n_embd)
+    toks = torch.randint(20, 1000, (40,))
+    r = T.block_losses(model, toks, torch.randn(40, 3 * model.cfg.n_embd), torch.tensor([5, 17, 30]), embed, embed)
+    assert r["sel_ce"].shape == (3, 3) and torch.isfinite(r["sel_ce"]).all()
+    assert not r["recall"].all()  # some labels were missing and forced in
+    assert not (r["sel_hit"] & ~r["recall"]).any()  # a forced label never counts as a selector hit
+
+
+def _selector_model(top_k: int = 3):
+    from models import TargetSpec
 
     cfg = drafter_config(TargetSpec(), block_size=4, n_ff=64, conv_kernel_size=2, conv_group_size=16,
-                         selector_rank=8, selector_top_k=3, n_vocab=1024)
+                         selector_rank=8, selector_top_k=top_k, n_vocab=1024)
     torch.manual_seed(0)
     model = DFlashReference(cfg)
     for p in model.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.05)
-    embed = torch.randn(1024, cfg.n_embd)
-    toks = torch.randint(20, 1000, (40,))
-    r = T.block_losses(model, toks, torch.randn(40, 3 * cfg.n_embd), torch.tensor([5, 17, 30]), embed, embed)
-    assert r["sel_ce"].shape == (3, 3) and torch.isfinite(r["sel_ce"]).all()
-    assert not r["recall"].all()  # some labels were missing and forced in
-    assert not (r["sel_hit"] & ~r["recall"]).any()  # a forced label never counts as a selector hit
+    return model
+
+
+def test_draft_vocabulary_losses_are_the_full_ones_under_a_shuffled_full_map():
+    """Training in a draft vocabulary with every token kept, in shuffled order, computes exactly
+    the losses, hits, selector scores and recall of full-vocabulary training: the label map, the
+    top-K in head rows and the codebook lookups by target id line up."""
+    model = _selector_model()
+    torch.manual_seed(1)
+    embed, feats = torch.randn(1024, model.cfg.n_embd), torch.randn(40, 3 * model.cfg.n_embd)
+    toks, anchors = torch.randint(20, 1000, (40,)), torch.tensor([5, 17, 30])
+    full = T.block_losses(model, toks, feats, anchors, embed, embed)
+    perm = torch.randperm(1024)
+    mapped = T.block_losses(model, toks, feats, anchors, embed, embed[perm], vocab=perm)
+    assert full.keys() == mapped.keys()
+    for k in full:
+        torch.testing.assert_close(mapped[k], full[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_draft_vocabulary_loss_scores_only_kept_rows_and_skips_other_labels():
+    """With a reduced vocabulary the unary loss is the cross-entropy over the kept rows only;
+    a label outside them is not trained on (loss 0, no selector target) and counts as a miss."""
+    model = _selector_model()
+    torch.manual_seed(2)
+    embed, feats = torch.randn(1024, model.cfg.n_embd), torch.randn(40, 3 * model.cfg.n_embd)
+    toks, anchors = torch.randint(20, 1000, (40,)), torch.tensor([5, 17, 30])
+    labels = toks[anchors[:, None] + torch.arange(1, 4)[None, :]]
+    kept = labels.flatten().unique()
+    keep = torch.cat([kept[kept != labels[1, 1]], torch.arange(1000, 1024)])  # one label left out
+    r = T.block_losses(model, toks, feats, anchors, embed, embed[keep], vocab=keep)
+    z = T.block_hidden(model, feats, toks, anchors, embed)
+    logits = z @ embed[keep].T
+    row = {int(t): i for i, t in enumerate(keep)}
+    for a in range(3):
+        for k in range(3):
+            lab = int(labels[a, k])
+            if lab == int(labels[1, 1]):
+                assert r["ce"][a, k] == 0 and not r["hit"][a, k] and not r["sel_ce"][a, k] and not r["sel_hit"][a, k]
+            else:
+                want = -torch.log_softmax(logits[a, k], -1)[row[lab]]
+                torch.testing.assert_close(r["ce"][a, k], want, rtol=1e-4, atol=1e-4)
+                assert bool(r["hit"][a, k]) == (int(logits[a, k].argmax()) == row[lab])
+    assert torch.isfinite(r["sel_ce"]).all()
+    # a trainer over the kept rows steps and evaluates in them
+    tc = T.TrainConfig(steps=2, lr=1e-3, seqs_per_step=1, anchors_per_seq=3, bf16_head=False)
+    samples = [T.Sample(toks.numpy(), feats.numpy(), 2)]
+    tr = T.Trainer(model, T._Samples(samples), [0], embed, embed, tc, val_ids=[0], vocab=keep)
+    assert tr.head.shape == (len(keep), model.cfg.n_embd)
+    hist = tr.run()
+    assert hist[-1]["step"] == 2 and len(hist[-1]["per_slot_accuracy"]) == 3
 
 
 def test_whitened_features_fold_into_fc_on_export():

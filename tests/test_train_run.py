@@ -15,6 +15,7 @@ from llama_dflash import SpeculativeGenerator
 from llama_dflash import train as T
 from llama_dflash.batchgen import BatchGenerator, Job
 from llama_dflash.cli import main
+from llama_dflash.convert.safetensors_io import read_header
 from llama_dflash.prompts import (
     _held_out_markers,
     chatml,
@@ -29,8 +30,9 @@ from models import drafter_config
 
 
 def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
-    """`llama-dflash train --smoke`: data -> features -> v1 -> DFlash2 -> HF -> GGUF, then the
-    GGUF drafts with our loop (greedy output identical to plain); a second call resumes (no-op)."""
+    """`llama-dflash train --smoke`: data -> features -> v1 -> DFlash2 -> DFlash2 tuned in the draft
+    vocabulary -> HF -> GGUF, then the GGUF drafts with our loop (greedy output identical to plain);
+    a second call resumes (no-op)."""
     target = artifacts["llama"]["target"]
     out = tmp_path / "run"
     t0 = time.time()
@@ -41,13 +43,21 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
         print(f"\n[train --smoke] {wall:.1f} s end to end; stages {s['wall_s']}")
     assert s["data"]["sequences"] == 8 and s["data"]["sampled_sequences"] == 2  # 6 prompts + every 4th sampled
     assert set(s["data"]["prompt_sources"]) <= {"stdlib-code", "authored-code", "authored-general"}
-    for v in ("v1", "v2"):
+    for v in ("v1", "v2", "tune"):
         assert [h["step"] for h in s["held_out"][v]] == [3, 6]
         assert len(s["held_out"][v][-1]["per_slot_accuracy"]) == 7
-    assert "selector_accuracy" in s["held_out"]["v2"][-1] and "path_tau" in s["held_out"]["v2"][-1]
+    for v in ("v2", "tune"):
+        assert "selector_accuracy" in s["held_out"][v][-1] and "path_tau" in s["held_out"][v][-1]
+    assert set(s["wall_s"]) >= {"v1", "v2", "tune", "vocab"}
     cfg = json.loads((out / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 8
-    assert (out / "hf" / "model.safetensors").is_file() and (out / "ckpt-v2.pt").is_file()
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "ckpt-tune.pt").is_file()
+    # the exported weights are the tuned ones (the v2 stage's differ)
+    tuned = torch.load(out / "ckpt-tune.pt", weights_only=False)["model"]
+    v2 = torch.load(out / "ckpt-v2.pt", weights_only=False)["model"]
+    assert not torch.equal(tuned["layers.0.mlp.up_proj.weight"], v2["layers.0.mlp.up_proj.weight"])
+    hf = read_header(out / "hf" / "model.safetensors")["layers.0.mlp.up_proj.weight"].load()
+    torch.testing.assert_close(torch.as_tensor(hf), tuned["layers.0.mlp.up_proj.weight"])
     # the shipped file proposes the 256 most frequent tokens; the full-vocabulary conversion is kept
     assert s["gguf"]["draft_vocab"] == 256
     assert s["data"]["held_out_sequences"] == 0 and s["gguf"]["held_out_coverage"] is None  # nothing to measure on
@@ -80,7 +90,8 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
     assert main(["train", "--smoke", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
-    for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"], ["--draft-vocab", "-1"]):
+    for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"], ["--draft-vocab", "-1"],
+                ["--tune-steps", "-1"]):
         assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"),
                      *bad]) == 2, bad
         err = capsys.readouterr().err

@@ -188,19 +188,19 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "max_sequences", "v1_steps", "v2_steps", "n_layer", "block_size", "outtype",
-              "seed", "draft_vocab"):
+              "seed", "draft_vocab", "tune_steps"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
     if (spec.prompts < 0 or spec.max_sequences < 0 or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1
-            or spec.block_size < 2 or spec.n_layer < 1 or spec.draft_vocab < 0):
-        raise ValueError("--prompts, --max-sequences and --draft-vocab must be >= 0; --max-new, steps, --n-layer "
-                         ">= 1; --block-size >= 2")
+            or spec.block_size < 2 or spec.n_layer < 1 or spec.draft_vocab < 0 or spec.tune_steps < 0):
+        raise ValueError("--prompts, --max-sequences, --draft-vocab and --tune-steps must be >= 0; --max-new, "
+                         "--v1-steps, --v2-steps and --n-layer >= 1; --block-size >= 2")
     s = run(a.out, spec)
     if a.json:
         print(json.dumps(s))
         return 0
-    last = (s["held_out"].get("v2") or [{}])[-1]
+    last = (s["held_out"].get("tune") or s["held_out"].get("v2") or [{}])[-1]
     print(f"wrote {s['gguf']['path']} ({s['gguf']['bytes'] / 2**20:.1f} MiB, {s['gguf']['outtype']}); "
           f"data {s['data']['sequences']} sequences / {s['data']['response_tokens']} response tokens; "
           f"held-out block tau {last.get('block_tau')}, path tau {last.get('path_tau')}; "
@@ -437,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
+    t.add_argument("--tune-steps", type=int, default=None,
+                   help="DFlash2 steps continued in the draft vocabulary (default 5400; 0 = none)")
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)

@@ -98,31 +98,42 @@ def _logits(model: DFlashReference, z: torch.Tensor, head: torch.Tensor) -> torc
 
 
 def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                 embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor]:
+                 embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-slot losses and hits of the blocks at `anchors` of one sequence (docs §6.2-6.3, §6.5).
 
     Unary: cross-entropy of slot k against x_{a+k}.  DFlash2 selector (teacher forced):
     predecessor = the true previous token, candidates = the slot's top-K with the label
     forced into the last place when missing, K-way cross-entropy over the edge scores.
+
+    ``vocab``: the target ids of head's rows when head is a reduced draft vocabulary (the
+    d2t order).  Softmax, top-K and argmax then run over those rows, as the drafter does at
+    run time; a label outside them is not trained on and counts as a miss.
     """
     B = model.cfg.block_size
     z = block_hidden(model, features, tokens, anchors, embed)                   # [A, B-1, H]
     logits = _logits(model, z, head)                                            # [A, B-1, V]
-    labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]             # [A, B-1]
+    labels = tokens[anchors[:, None] + torch.arange(1, B)[None, :]]             # [A, B-1] target ids
+    if vocab is not None:  # target id -> row of the reduced head (-100: not in the draft vocabulary)
+        t2d = torch.full((embed.shape[0],), -100, dtype=torch.long)
+        t2d[vocab] = torch.arange(len(vocab))
+        labels = t2d[labels]
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                            reduction="none").view_as(labels)
     out = {"ce": ce, "hit": logits.detach().argmax(-1) == labels}
     sel = getattr(model, "candidate_selector", None)
     if sel is not None:
         K = sel.top_k
-        cand = logits.detach().topk(K, dim=-1).indices                          # [A, B-1, K]
+        cand = logits.detach().topk(K, dim=-1).indices                          # [A, B-1, K] head rows
         match = cand == labels[..., None]
         in_top = match.any(-1)
-        cand[..., K - 1] = torch.where(in_top, cand[..., K - 1], labels)
+        known = labels >= 0
+        cand[..., K - 1] = torch.where(in_top | ~known, cand[..., K - 1], labels)
         target = torch.where(in_top, match.float().argmax(-1), torch.full_like(labels, K - 1))
-        prev = tokens[anchors[:, None] + torch.arange(0, B - 1)[None, :]]       # true predecessors
+        target = torch.where(known, target, torch.full_like(labels, -100))
+        prev = tokens[anchors[:, None] + torch.arange(0, B - 1)[None, :]]       # true predecessors (target ids)
         gate = sel.hidden_projection(z)                                         # [A, B-1, r]
-        edge = torch.einsum("asr,asr,askr->ask", sel.predecessor_codebook[prev], gate, sel.successor_codebook[cand])
+        succ = cand if vocab is None else vocab[cand]                           # codebooks are by target id
+        edge = torch.einsum("asr,asr,askr->ask", sel.predecessor_codebook[prev], gate, sel.successor_codebook[succ])
         scores = logits.gather(-1, cand) + edge                                 # [A, B-1, K]
         out["sel_ce"] = torch.nn.functional.cross_entropy(scores.reshape(-1, K), target.reshape(-1),
                                                           reduction="none").view_as(labels)
@@ -132,14 +143,15 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
 
 
 def sequence_losses(model: DFlashReference, source, i: int, n_anchors: int, rng: np.random.Generator,
-                    embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor] | None:
+                    embed: torch.Tensor, head: torch.Tensor,
+                    vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
     """block_losses at up to n_anchors random anchors of sequence i of a source (None: too short)."""
     toks, feats, start = source.sequence(i)
     a = _anchors(len(toks), start, model.cfg.block_size, n_anchors, rng)
     if len(a) == 0:
         return None
     return block_losses(model, torch.as_tensor(np.asarray(toks, np.int64)),
-                        torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head)
+                        torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head, vocab)
 
 
 def _anchors(length: int, start: int, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -195,14 +207,17 @@ class Trainer:
 
     ``checkpoint`` (a path) makes the run resumable: model, optimiser, schedule, step and
     random states are saved atomically every ``ckpt_every`` steps and loaded on start.
+    ``vocab`` (target ids, d2t order) trains in a reduced draft vocabulary: only those rows of
+    the head are scored (see ``block_losses``).
     """
 
     def __init__(self, model: DFlashReference, source, train_ids: Sequence[int], embed: torch.Tensor,
                  head: torch.Tensor, tc: TrainConfig, checkpoint: str | os.PathLike | None = None,
-                 val_ids: Sequence[int] = (), log=None) -> None:
+                 val_ids: Sequence[int] = (), log=None, vocab: torch.Tensor | None = None) -> None:
         self.model, self.source, self.tc = model, source, tc
         self.train_ids, self.val_ids = list(train_ids), list(val_ids)
-        self.embed = embed
+        self.embed, self.vocab = embed, vocab
+        head = head if vocab is None else head[vocab]
         self.head = head.to(torch.bfloat16) if tc.bf16_head else head
         self.ckpt = Path(checkpoint) if checkpoint else None
         self.log = log or (lambda _msg: None)
@@ -261,7 +276,8 @@ class Trainer:
         total = None
         hits, sel_hits, recall, n_blocks = [], [], [], 0
         for i in self._next_ids():
-            r = sequence_losses(self.model, self.source, i, self.tc.anchors_per_seq, self.rng, self.embed, self.head)
+            r = sequence_losses(self.model, self.source, i, self.tc.anchors_per_seq, self.rng, self.embed, self.head,
+                                self.vocab)
             if r is None:
                 continue
             loss = (r["ce"] * w).sum()
@@ -299,7 +315,7 @@ class Trainer:
                 progress.update(1, extra)
             last = self.step == tc.steps
             if self.val_ids and ((tc.eval_every and self.step % tc.eval_every == 0) or last):
-                ev = evaluate_source(self.model, self.source, self.val_ids, self.embed, self.head)
+                ev = evaluate_source(self.model, self.source, self.val_ids, self.embed, self.head, vocab=self.vocab)
                 ev["step"] = self.step
                 self.history.append(ev)
                 self.log(f"step {self.step}: held-out " + json.dumps(ev))
@@ -325,7 +341,7 @@ def train(model: DFlashReference, samples: list[Sample], embed: torch.Tensor, he
 
 @torch.no_grad()
 def evaluate_source(model: DFlashReference, source, ids: Sequence[int], embed: torch.Tensor, head: torch.Tensor,
-                    anchors_per_seq: int = 32, seed: int = 1) -> dict:
+                    anchors_per_seq: int = 32, seed: int = 1, vocab: torch.Tensor | None = None) -> dict:
     """Held-out metrics: per-slot accuracy, implied tau (from the per-slot means), block tau (mean
     leading run, what greedy verification accepts on these data) and, for DFlash2, top-K recall,
     teacher-forced selector accuracy per slot and the self-conditioned path tau (the greedy walk
@@ -333,7 +349,7 @@ def evaluate_source(model: DFlashReference, source, ids: Sequence[int], embed: t
     rng = np.random.default_rng(seed)
     hits, sel, rec = [], [], []
     for i in ids:
-        r = sequence_losses(model, source, i, anchors_per_seq, rng, embed, head)
+        r = sequence_losses(model, source, i, anchors_per_seq, rng, embed, head, vocab)
         if r is None:
             continue
         hits.append(r["hit"])

@@ -3,7 +3,8 @@
 Stages, each skipped when its output exists (so an interrupted run picks up where it
 stopped): data (the target's responses, batched) -> features (C capture, fp16 on disk)
 -> DFlash v1 training -> DFlash2 training (v1 weights, identity convolutions, fresh
-selector, joint unary + selector loss) -> HF export (config.json + model.safetensors,
+selector, joint unary + selector loss) -> DFlash2 tuning in the draft vocabulary (the
+most frequent training tokens; what the shipped head proposes) -> HF export (config.json + model.safetensors,
 the z-lab layout) -> GGUF through the converter (the path downloaded drafters take).
 ``summary.json`` records data sizes, wall times and held-out metrics of every stage.
 """
@@ -58,13 +59,15 @@ class RunSpec:
     seed: int = 0
     draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
+    tune_steps: int = 5400              # DFlash2 continued in the draft vocabulary (the softmax, top-K and
+    tune_lr: float = 3e-4               # selector the drafter runs; a step costs ~60% of a full-vocab one)
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
         """Tiny data and a few steps, end to end through export and conversion (tests)."""
         return cls(target=target, prompts=6, max_sequences=0, max_new=24, n_seq=4, v1_steps=6, v2_steps=6,
                    seqs_per_step=2, anchors_per_seq=8, eval_every=3, ckpt_every=2, selector_rank=16,
-                   selector_top_k=4, outtype="f16", draft_vocab=256)
+                   selector_top_k=4, outtype="f16", draft_vocab=256, tune_steps=6)
 
 
 def _target_config(target: str) -> dict:
@@ -217,53 +220,67 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     embed = torch.from_numpy(np.array(t["token_embd.weight"]))  # a writable copy of the reader's array
     head = torch.from_numpy(np.array(t["output.weight"])) if "output.weight" in t else embed
 
+    reduce = 0 < spec.draft_vocab < tinfo["n_vocab"]
+    keep = _draft_vocab(ds, spec, tinfo["n_vocab"]) if reduce else None
     results = summary.setdefault("held_out", {})
     states = {}
     feature_sample = _feature_sample(ds) if spec.whiten_features else None
-    for version, steps, lr in ((1, spec.v1_steps, spec.v1_lr), (2, spec.v2_steps, spec.v2_lr)):
+    stages = [("v1", 1, spec.v1_steps, spec.v1_lr), ("v2", 2, spec.v2_steps, spec.v2_lr)]
+    if spec.tune_steps:
+        stages.append(("tune", 2, spec.tune_steps, spec.tune_lr))
+    for seed, (name, version, steps, lr) in enumerate(stages, spec.seed + 1):
         model = DFlashReference(drafter_config(spec, version, tinfo))
         if feature_sample is not None:
             whiten_features(model, feature_sample)
-        if version == 1:
+        if name == "v1":
             _init_v1(model, spec.seed)
+        elif name == "v2":
+            _init_v2_from_v1(model, states["v1"], spec.seed)
         else:
-            _init_v2_from_v1(model, states[1], spec.seed)
+            model.load_state_dict(states["v2"])
+        vocab = torch.as_tensor(keep) if name == "tune" and keep is not None else None
         tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=spec.seqs_per_step, anchors_per_seq=spec.anchors_per_seq,
-                         seed=spec.seed + version, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
-        tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-v{version}.pt",
-                     val_ids=ds.val_ids or ds.train_ids[:8], log=say)
+                         seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
+        tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-{name}.pt",
+                     val_ids=ds.val_ids or ds.train_ids[:8], log=say, vocab=vocab)
         if tr.step < steps:
-            say(f"training DFlash{'2' if version == 2 else ' v1'}: {sum(p.numel() for p in model.parameters())} "
+            what = {"v1": "DFlash v1", "v2": "DFlash2", "tune": "DFlash2 in the draft vocabulary"}[name]
+            say(f"training {what}: {sum(p.numel() for p in model.parameters())} "
                 f"parameters, {steps} steps x {spec.seqs_per_step} sequences x {spec.anchors_per_seq} anchors")
-            bar = Progress(steps, f"v{version}", done=tr.step)
-            stage(f"v{version}", lambda tr=tr, bar=bar: tr.run(bar))
-        results[f"v{version}"] = tr.history
-        states[version] = {k: v.clone() for k, v in model.state_dict().items()}
+            bar = Progress(steps, name, done=tr.step)
+            stage(name, lambda tr=tr, bar=bar: tr.run(bar))
+        results[name] = tr.history
+        states[name] = {k: v.clone() for k, v in model.state_dict().items()}
         summary_path.write_text(json.dumps(summary, indent=1))
 
     hf_dir = stage("export", lambda: export_hf(model, tinfo, out / "hf"))
     gguf = out / "drafter.gguf"
-    reduce = 0 < spec.draft_vocab < tinfo["n_vocab"]
     full = out / "drafter-fullvocab.gguf" if reduce else gguf
     conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, full, outtype=spec.outtype))
     summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype, "draft_vocab": None}
     if reduce:
-        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, spec, tinfo["n_vocab"], full, gguf)))
+        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, keep, spec.target, full, gguf)))
     summary_path.write_text(json.dumps(summary, indent=1))
     say(f"done: {gguf} ({summary['gguf']['bytes'] / 2**20:.1f} MiB); wall times {walls}")
     logf.close()
     return summary
 
 
-def _reduce(ds: Dataset, spec: RunSpec, n_vocab: int, full: Path, out: Path) -> dict:
-    """The shipped drafter: the draft_vocab tokens most frequent in the training sequences (prompts
-    and responses; the target's end-of-generation ids always kept).  Coverage is measured on the
-    held-out responses."""
-    from .vocab import choose_vocab, eog_ids, reduce_vocab, token_counts
+def _draft_vocab(ds: Dataset, spec: RunSpec, n_vocab: int) -> np.ndarray:
+    """The draft vocabulary (d2t order): the draft_vocab tokens most frequent in the training
+    sequences (prompts and responses; the target's end-of-generation ids always kept)."""
+    from .vocab import choose_vocab, eog_ids, token_counts
 
     counts = token_counts(n_vocab, (ds.sequence(i)[0] for i in ds.train_ids))
-    keep = choose_vocab(counts, spec.draft_vocab, eog_ids(spec.target))
-    reduce_vocab(full, spec.target, out, keep)
+    return choose_vocab(counts, spec.draft_vocab, eog_ids(spec.target))
+
+
+def _reduce(ds: Dataset, keep: np.ndarray, target: str, full: Path, out: Path) -> dict:
+    """The shipped drafter: the full-vocabulary conversion cut to the draft vocabulary `keep`.
+    Coverage is measured on the held-out responses."""
+    from .vocab import reduce_vocab
+
+    reduce_vocab(full, target, out, keep)
     held = [toks[start:] for toks, _, start in map(ds.sequence, ds.val_ids)]  # held-out responses
     held = np.concatenate(held or [np.zeros(0, np.int64)])
     covered = float(np.isin(held, keep).mean()) if held.size else None
