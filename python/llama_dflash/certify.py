@@ -50,7 +50,9 @@ def gap_in_batches(checker: llama_cpp.Llama, tokens: Sequence[int], n_prompt: in
             return None  # not this run's steps
         batch = tokens[start:start + size]
         checker.eval(batch + [tokens[-1]] * (size - len(batch)))
-        if start <= i - 1 < start + size:
+        # only rows 0..accepted chose tokens; a later row of this batch (after a rejection) is
+        # evaluated again, in another batch, by a later step
+        if start <= i - 1 <= start + st["accepted"]:
             row = checker.scores[i - 1]
             return float(row[a] - row[b])
         keep = start + st["accepted"] + 1

@@ -3,9 +3,10 @@
 Stages, each skipped when its output exists (so an interrupted run picks up where it
 stopped): data (the target's responses, batched) -> features (C capture, fp16 on disk)
 -> DFlash v1 training -> DFlash2 training (v1 weights, identity convolutions, fresh
-selector, joint unary + selector loss) -> DFlash2 tuning in the draft vocabulary (the
-most frequent training tokens; what the shipped head proposes) -> HF export (config.json + model.safetensors,
-the z-lab layout) -> GGUF through the converter (the path downloaded drafters take).
+selector, joint unary + selector loss) -> DFlash2 tuned in the draft vocabulary (the most
+frequent training tokens, what the shipped head proposes) -> HF export (config.json +
+model.safetensors, the z-lab layout) -> GGUF through the converter (the path downloaded
+drafters take) -> the draft vocabulary's head rows and d2t map.
 ``summary.json`` records data sizes, wall times and held-out metrics of every stage.
 """
 
@@ -60,7 +61,7 @@ class RunSpec:
     draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
     tune_steps: int = 5400              # DFlash2 continued in the draft vocabulary (the softmax, top-K and
-    tune_lr: float = 3e-4               # selector the drafter runs; a step costs ~60% of a full-vocab one)
+    tune_lr: float = 3e-4               # selector the drafter runs; a step costs under half a full-vocab one)
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
