@@ -167,6 +167,17 @@ def compare_lattice(cand, scores, rcand, rscores, tol):
         assert err < tol, f"slot {k}: lattice differs by {err}"
 
 
+def growing_context(drafters, feats: np.ndarray, schedule, rng: np.random.Generator | None = None):
+    """Push feats to every drafter in the schedule's (n_new, n) chunks, a context growing over
+    steps; yield (rows pushed so far, an anchor drawn from rng or None, n) after each push."""
+    done = 0
+    for n_new, n in schedule:
+        for d in drafters:
+            d.push(feats[done:done + n_new])
+        done += n_new
+        yield done, None if rng is None else int(rng.integers(20, 1000)), n
+
+
 def reference_draft(ref, feats, anchor: int, n: int, embed, head):
     """The PyTorch reference's DFlash2 draft after `anchor` on context `feats`: (logits, cand,
     lattice scores, greedy tokens, q)."""

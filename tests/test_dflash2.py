@@ -16,7 +16,7 @@ from llama_dflash.reference import DFlashReference
 from llama_dflash.upstream import UpstreamDrafter
 
 from hf_fixtures import GROUP, TOPK, VARIANTS, hf_tensors, write_checkpoint
-from models import MASK_ID, compare_lattice, reference_draft
+from models import MASK_ID, compare_lattice, growing_context, reference_draft
 
 ATOL = 2e-3
 
@@ -29,12 +29,8 @@ def test_graph_matches_reference(artifacts, load_model, v2_drafter):
     ref = DFlashReference.from_gguf(v2_drafter)
     embed = torch.from_numpy(read_tensors(a["target"], ["token_embd.weight"])["token_embd.weight"].copy())
     feats = np.random.default_rng(0).standard_normal((300, 192)).astype(np.float32)
-    done = 0
-    rng = np.random.default_rng(1)
-    for n_new, n in [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)]:  # a context growing over steps
-        d.push(feats[done:done + n_new])
-        done += n_new
-        anchor = int(rng.integers(20, 1000))
+    for done, anchor, n in growing_context([d], feats, [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)],
+                                           np.random.default_rng(1)):
         toks, logits = d.draft(anchor, n, return_logits=True)
         cand, scores = d.last_lattice()
         lg, rcand, rscores, rtoks, q = reference_draft(ref, feats[:done], anchor, n, embed, embed)
@@ -121,11 +117,7 @@ def test_same_as_upstream(artifacts, load_model, v2_drafter):
     ours = Drafter(v2_drafter, model, n_ctx=512, n_threads=2)
     up = UpstreamDrafter(str(v2_drafter), model, n_ctx=512)
     feats = np.random.default_rng(3).standard_normal((200, 192)).astype(np.float32)
-    done = 0
-    for n_new, n in [(20, 7), (3, 3), (100, 7), (1, 1)]:
-        ours.push(feats[done:done + n_new])
-        up.push(feats[done:done + n_new])
-        done += n_new
+    for _, _, n in growing_context([ours, up], feats, [(20, 7), (3, 3), (100, 7), (1, 1)]):
         toks = ours.draft(99, n)
         cand, scores = ours.last_lattice()
         ucand, uscores, utoks = up.lattice(99, MASK_ID, n)

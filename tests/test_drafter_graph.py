@@ -10,7 +10,7 @@ from llama_dflash.drafter import Drafter
 from llama_dflash.gguf_io import read_tensors
 from llama_dflash.reference import DFlashReference
 
-from models import MASK_ID, drafter_config, write_random_drafter
+from models import MASK_ID, drafter_config, growing_context, write_random_drafter
 
 # Tolerances as (absolute, relative to the largest |logit| of the step).
 # f32 weights and head: the graph and the reference differ only by summation order.
@@ -35,13 +35,8 @@ def reference_logits(ref, feats, anchor, n, embed, head):
 def check(drafter, ref, feats_all, steps, embed, head, atol):
     """Push features in `steps` chunks, drafting after each; compare every draft."""
     drafter.reset()
-    done = 0
-    rng = np.random.default_rng(5)
-    for n_new, n in steps:
-        drafter.push(feats_all[done:done + n_new])
-        done += n_new
+    for done, anchor, n in growing_context([drafter], feats_all, steps, np.random.default_rng(5)):
         assert drafter.n_ctx_used == done
-        anchor = int(rng.integers(20, 1000))
         ids, logits = drafter.draft(anchor, n, return_logits=True)
         exp = reference_logits(ref, feats_all[:done], anchor, n, embed, head)
         assert logits.shape == exp.shape

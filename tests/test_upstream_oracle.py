@@ -8,7 +8,7 @@ import pytest
 from llama_dflash.drafter import Drafter
 from llama_dflash.upstream import UpstreamDrafter
 
-from models import MASK_ID
+from models import MASK_ID, growing_context
 
 # Upstream runs with an f32 cache and without flash attention (tests/upstream.py):
 # then both graphs perform the same operations and agree to float rounding.
@@ -24,14 +24,9 @@ def test_same_as_upstream_graph(artifacts, load_model, name):
     width = len(ours.info.target_layers) * ours.info.n_embd
     feats = np.random.default_rng(7).standard_normal((300, width)).astype(np.float32)
     tol = TOL
-    rng = np.random.default_rng(8)
-    done = 0
     compared = 0
-    for n_new, n in [(12, 7), (3, 15), (1, 1), (90, 5), (4, 15)]:
-        ours.push(feats[done:done + n_new])
-        up.push(feats[done:done + n_new])
-        done += n_new
-        anchor = int(rng.integers(20, 1000))
+    for _, anchor, n in growing_context([ours, up], feats, [(12, 7), (3, 15), (1, 1), (90, 5), (4, 15)],
+                                        np.random.default_rng(8)):
         ids, logits = ours.draft(anchor, n, return_logits=True)
         exp = up.draft(anchor, MASK_ID, n)
         lim = tol[0] + tol[1] * np.abs(exp).max()

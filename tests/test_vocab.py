@@ -18,7 +18,7 @@ from llama_dflash.upstream import UpstreamDrafter
 from llama_dflash.vocab import _copy_fields, choose_vocab, reduce_vocab, token_counts
 
 from hf_fixtures import TOPK
-from models import MASK_ID, VOCAB, compare_lattice, reference_draft
+from models import MASK_ID, VOCAB, compare_lattice, growing_context, reference_draft
 
 ATOL = 2e-3
 
@@ -89,13 +89,9 @@ def test_dflash2_graph_matches_reference_and_upstream(artifacts, load_model, v2_
     up = UpstreamDrafter(path, model, n_ctx=512)
     embed, head = head_tables(a["target"])
     feats = np.random.default_rng(0).standard_normal((300, 192)).astype(np.float32)
-    done, kept = 0, set(keep.tolist())
-    rng = np.random.default_rng(1)
-    for n_new, n in [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)]:
-        d.push(feats[done:done + n_new])
-        up.push(feats[done:done + n_new])
-        done += n_new
-        anchor = int(rng.integers(20, 1000))
+    kept = set(keep.tolist())
+    for done, anchor, n in growing_context([d, up], feats, [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)],
+                                           np.random.default_rng(1)):
         toks, logits = d.draft(anchor, n, return_logits=True)
         cand, scores = d.last_lattice()
         lg, rcand, rscores, rtoks, _ = reference_draft(ref, feats[:done], anchor, n, embed, head)
