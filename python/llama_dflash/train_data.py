@@ -82,19 +82,19 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
                 except json.JSONDecodeError:  # a line cut by an interrupted run
                     continue
                 done.add((r["key"], r["temperature"]))
-    tok = Tokenizer(spec.target)
     jobs, meta = [], {}
-    for i, p in enumerate(prompts):
-        ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
-        if len(ids) > spec.max_prompt:
-            continue
-        temps = [0.0] + ([spec.temperature] if spec.sampled_every and i % spec.sampled_every == 0 else [])
-        for t in temps:
-            if (p.key, t) in done:
+    with Tokenizer(spec.target) as tok:  # released before the generator loads the model
+        for i, p in enumerate(prompts):
+            ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
+            if len(ids) > spec.max_prompt:
                 continue
-            j = len(meta)
-            meta[j] = p
-            jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i))
+            temps = [0.0] + ([spec.temperature] if spec.sampled_every and i % spec.sampled_every == 0 else [])
+            for t in temps:
+                if (p.key, t) in done:
+                    continue
+                j = len(meta)
+                meta[j] = p
+                jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i))
     if not jobs:
         return path
     log(f"generating {len(jobs)} responses ({len(done)} already done), {spec.n_seq} sequences per decode")
