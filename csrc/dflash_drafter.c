@@ -774,16 +774,16 @@ static int32_t run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
             // target-vocabulary rows, -inf where the drafter cannot propose (as upstream scatters them)
             const size_t nd = (size_t) hp->n_vocab_draft;
             float * tmp = malloc(sizeof(float) * rows * nd);
-            if (tmp) ggml_backend_tensor_get(G.logits, tmp, 0, sizeof(float) * rows * nd);
-            for (size_t r = 0; r < rows; r++) {
-                float * o = out_logits + r * hp->n_vocab;
-                for (int32_t v = 0; v < hp->n_vocab; v++) o[v] = -INFINITY;
-                for (size_t j = 0; tmp && j < nd; j++) o[d->d2t_host[j]] = tmp[r * nd + j];
-            }
             if (!tmp) {
                 ggml_free(G.ctx);
                 dflash_seterr(err, err_len, "out of memory scattering the draft logits");
                 return -1;
+            }
+            ggml_backend_tensor_get(G.logits, tmp, 0, sizeof(float) * rows * nd);
+            for (size_t r = 0; r < rows; r++) {
+                float * o = out_logits + r * hp->n_vocab;
+                for (int32_t v = 0; v < hp->n_vocab; v++) o[v] = -INFINITY;
+                for (size_t j = 0; j < nd; j++) o[d->d2t_host[j]] = tmp[r * nd + j];
             }
             free(tmp);
         }
