@@ -86,6 +86,40 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["gguf"]["draft_vocab"] == 256 and (out / "drafter.gguf").is_file()
 
 
+def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
+    """`--init RUN`: the earlier run's final weights replace v1 and v2 and only the tuning stage
+    trains, on this run's (larger) data; incompatible or unfinished runs are refused in one line."""
+    target = artifacts["llama"]["target"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--smoke", "--target", target, "--out", str(b), "--prompts", "10", "--tune-steps", "4",
+                 "--init", str(a), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["data"]["sequences"] == 13 and set(s["held_out"]) == {"tune"}
+    assert [h["step"] for h in s["held_out"]["tune"]] == [3, 4]
+    assert s["init"]["run"] == str(a.resolve()) and s["init"]["stage"] == "tune" and s["init"]["steps"] == 6
+    assert len(s["init"]["start"]["per_slot_accuracy"]) == 7 and "path_tau" in s["init"]["start"]
+    assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
+    # started from a's weights: the feature scale (a fixed buffer) is a's, not one measured on b's data
+    ta = torch.load(a / "ckpt-tune.pt", weights_only=False)["model"]
+    tb = torch.load(b / "ckpt-tune.pt", weights_only=False)["model"]
+    assert torch.equal(ta["feature_scale"], tb["feature_scale"])
+    assert not torch.equal(ta["layers.0.mlp.up_proj.weight"], tb["layers.0.mlp.up_proj.weight"])
+    with SpeculativeGenerator(target, b / "drafter.gguf", n_ctx=256) as g:
+        toks = g.tokenize(chatml("Sort a list of numbers."))
+        assert g.generate(toks, 16, draft_len=7).tokens == g.generate(toks, 16, draft_len=0).tokens
+    for extra, msg in [(["--block-size", "4"], "trained with other settings (block_size=8)"),
+                       (["--tune-steps", "0"], "trains the tuning stage only: tune_steps must be >= 1")]:
+        assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--init", str(a),
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    (a / "summary.json").write_text(json.dumps({"spec": {}}))
+    assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--init", str(a)]) == 2
+    assert "has not finished" in capsys.readouterr().err
+
+
 def test_train_cli_errors(artifacts, tmp_path, capsys):
     assert main(["train", "--smoke", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err

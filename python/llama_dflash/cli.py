@@ -188,7 +188,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "max_sequences", "v1_steps", "v2_steps", "n_layer", "block_size", "outtype",
-              "seed", "draft_vocab", "tune_steps"):
+              "seed", "draft_vocab", "tune_steps", "init"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -439,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
     t.add_argument("--tune-steps", type=int, default=None,
                    help="DFlash2 steps continued in the draft vocabulary (default 5400; 0 = none)")
+    t.add_argument("--init", default=None, metavar="RUN_DIR",
+                   help="start from a finished run's final weights (same drafter shape and target) and train "
+                        "only the tuning stage on this run's data")
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)

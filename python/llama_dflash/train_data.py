@@ -6,7 +6,9 @@ Layout of a data directory (every stage resumable: finished work is skipped):
   temperature, prompt ids, response ids), appended as sequences finish.
 - ``tokens.npy`` / ``index.npy`` — all sequences' ids concatenated (int32) and, per
   sequence, [token offset, length, response start, temperature * 1000, held out].
-- ``features.f16`` — fp16 rows [n_tokens, n_taps * n_embd] from the package's C capture.
+- ``features.f16`` — fp16 rows [n_tokens, n_taps * n_embd] from the package's C capture;
+  ``features.done`` says which sequences they cover and for which target and taps (when
+  responses are added, the sequences already captured are copied, not captured again).
 
 Features are stored rather than recomputed: the 2 cores that train would otherwise
 also run a target forward per step, and fp16 rows cost 5.8 KB per token for 5 taps of
@@ -116,9 +118,93 @@ def _held_out(key: str, frac: float) -> bool:
     return (zlib.crc32(key.encode()) % 10_000) < frac * 10_000
 
 
+def _capture_id(spec: DataSpec) -> dict:
+    """What the features depend on besides the tokens: the target file (size and a digest of its
+    first 16 MiB: header, metadata and the first tensors) and the tapped layers."""
+    import hashlib
+
+    with open(spec.target, "rb") as f:
+        head = hashlib.sha256(f.read(16 << 20)).hexdigest()[:16]
+    return {"target_bytes": os.path.getsize(spec.target), "target_head": head, "taps": list(spec.taps)}
+
+
+def _layout(tokens: np.ndarray, index: np.ndarray) -> str:
+    return f"{zlib.crc32(tokens.tobytes()):08x}{zlib.crc32(index.tobytes()):08x}-{len(index)}-{len(tokens)}"
+
+
+def _read_state(out: Path) -> dict | None:
+    """The features on disk: their layout (tokens, index), capture id, width and which sequences
+    are complete; None when there are none or they cannot be trusted.  ``features.done`` is JSON;
+    a bare count (older runs) means that many leading sequences of the stored layout, captured by
+    this run's own settings (a run directory refuses other settings)."""
+    state, feats = out / "features.done", out / "features.f16"
+    if not (state.is_file() and feats.is_file() and (out / "tokens.npy").is_file() and (out / "index.npy").is_file()):
+        return None
+    tokens, index = np.load(out / "tokens.npy"), np.load(out / "index.npy")
+    text = state.read_text().strip()
+    try:
+        if text.startswith("{"):
+            st = json.loads(text)
+            done = np.zeros(len(index), bool)
+            done[np.asarray(st["done"], np.int64)] = True
+            if st["layout"] != _layout(tokens, index):
+                return None
+            capture, width = st["capture"], int(st["width"])
+        else:
+            done = np.arange(len(index)) < int(text)
+            capture, width = None, feats.stat().st_size // (2 * max(1, len(tokens)))
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if feats.stat().st_size != 2 * width * max(1, len(tokens)):
+        return None
+    return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width}
+
+
+def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int,
+                 done: np.ndarray) -> None:
+    tmp = out / "features.done.tmp"
+    tmp.write_text(json.dumps({"layout": _layout(tokens, index), "capture": capture, "width": width,
+                               "done": np.flatnonzero(done).tolist()}))
+    tmp.replace(out / "features.done")
+
+
+def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int, old: dict | None,
+                log) -> np.ndarray:
+    """Start features for a changed set of sequences, copying the rows of every sequence whose
+    tokens an earlier capture (same target and taps) already covered: a sequence's features depend
+    only on its own tokens, so a grown data set captures its new sequences only."""
+    done = np.zeros(len(index), bool)
+    tmp = out / "features.f16.tmp"
+    feats = np.memmap(tmp, np.float16, "w+", shape=(max(1, len(tokens)), width))
+    if old is not None and old["capture"] in (None, capture) and old["width"] == width:
+        src = np.memmap(out / "features.f16", np.float16, "r", shape=(max(1, len(old["tokens"])), width))
+        have = {}
+        for j in np.flatnonzero(old["done"]):
+            o, n = (int(x) for x in old["index"][j, :2])
+            have[old["tokens"][o:o + n].tobytes()] = o
+        for i in range(len(index)):
+            o, n = (int(x) for x in index[i, :2])
+            src_o = have.get(tokens[o:o + n].tobytes())
+            if src_o is not None:
+                feats[o:o + n] = src[src_o:src_o + n]
+                done[i] = True
+        del src
+        if done.any():
+            log(f"features: {int(done.sum())} of {len(index)} sequences carried over from the earlier capture")
+    feats.flush()
+    del feats
+    # the old state goes first: a crash in between leaves no state (a fresh start), never a stale one
+    (out / "features.done").unlink(missing_ok=True)
+    tmp.replace(out / "features.f16")
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "index.npy", index)
+    _write_state(out, tokens, index, capture, width, done)
+    return done
+
+
 def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=print) -> None:
     """Stage 2: pack the responses (of prompts in `keys`, default all) and capture their features
-    with the C capture (fp16 on disk)."""
+    with the C capture (fp16 on disk).  Resumable, and incremental when responses were added."""
     from .engine import SpeculativeGenerator
 
     recs, seen = [], set()
@@ -141,31 +227,31 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
                        _held_out(r["key"], spec.held_out)] for i, r in enumerate(recs)], np.int64).reshape(-1, 5)
     tokens = np.concatenate([np.asarray(r["prompt"] + r["response"], np.int32) for r in recs]) if recs else \
         np.zeros(0, np.int32)
-    state_path = out / "features.done"
-    n_done = int(state_path.read_text()) if state_path.is_file() else 0
-    if (out / "index.npy").is_file():
-        old = np.load(out / "index.npy")
-        if old.shape != index.shape or not np.array_equal(old, index):
-            n_done = 0  # the responses changed: start the features over
-    np.save(out / "tokens.npy", tokens)
-    np.save(out / "index.npy", index)
+    capture = _capture_id(spec)
     with SpeculativeGenerator(spec.target, capture_layers=spec.taps, n_ctx=max(lengths, default=1) + 8,
                               n_batch=512) as g:
         width = g.feature_width
-        mode = "r+" if (out / "features.f16").is_file() and n_done else "w+"
-        feats = np.memmap(out / "features.f16", np.float16, mode, shape=(max(1, len(tokens)), width))
-        bar = Progress(len(recs) - n_done, "features")
-        for i in range(n_done, len(recs)):
+        old = _read_state(out)
+        same = (old is not None and old["capture"] in (None, capture) and old["width"] == width
+                and np.array_equal(old["index"], index) and np.array_equal(old["tokens"], tokens))
+        done = old["done"] if same else _new_layout(out, tokens, index, capture, width, old, log)
+        del old
+        feats = np.memmap(out / "features.f16", np.float16, "r+", shape=(max(1, len(tokens)), width))
+        todo = np.flatnonzero(~done)
+        bar = Progress(len(todo), "features")
+        for k, i in enumerate(todo):
             o, n = int(index[i, 0]), int(index[i, 1])
             feats[o:o + n] = g.features(tokens[o:o + n].tolist()).astype(np.float16)
-            if (i + 1) % 50 == 0 or i + 1 == len(recs):
+            done[i] = True
+            if (k + 1) % 50 == 0:
                 feats.flush()
-                state_path.write_text(str(i + 1))
+                _write_state(out, tokens, index, capture, width, done)
             bar.update(1)
         feats.flush()
         del feats
-    state_path.write_text(str(len(recs)))
-    log(f"features: {len(recs)} sequences, {len(tokens)} tokens, {width} values per token (fp16)")
+    _write_state(out, tokens, index, capture, width, done)
+    log(f"features: {len(recs)} sequences ({len(todo)} captured now), {len(tokens)} tokens, "
+        f"{width} values per token (fp16)")
 
 
 class Dataset:

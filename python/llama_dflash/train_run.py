@@ -1,12 +1,15 @@
 """`llama-dflash train`: the whole drafter recipe as one resumable run (docs §6.6).
 
 Stages, each skipped when its output exists (so an interrupted run picks up where it
-stopped): data (the target's responses, batched) -> features (C capture, fp16 on disk)
--> DFlash v1 training -> DFlash2 training (v1 weights, identity convolutions, fresh
-selector, joint unary + selector loss) -> DFlash2 tuned in the draft vocabulary (the most
-frequent training tokens, what the shipped head proposes) -> HF export (config.json +
-model.safetensors, the z-lab layout) -> GGUF through the converter (the path downloaded
-drafters take) -> the draft vocabulary's head rows and d2t map.
+stopped; added responses capture only their new sequences): data (the target's responses,
+batched) -> features (C capture, fp16 on disk) -> DFlash v1 training -> DFlash2 training
+(v1 weights, identity convolutions, fresh selector, joint unary + selector loss) -> DFlash2
+tuned in the draft vocabulary (the most frequent training tokens, what the shipped head
+proposes) -> HF export (config.json + model.safetensors, the z-lab layout) -> GGUF through
+the converter (the path downloaded drafters take) -> the draft vocabulary's head rows and
+d2t map.
+With ``init`` (an earlier finished run) the v1 and v2 stages are that run's final weights and
+only the tuning stage trains, on this run's data: more data without repeating the first stages.
 ``summary.json`` records data sizes, wall times and held-out metrics of every stage.
 """
 
@@ -26,7 +29,7 @@ from .convert.safetensors_io import write_safetensors
 from .gguf_io import DrafterConfig, read_tensors
 from .prompts import training_prompts
 from .reference import DFlashReference
-from .train import TrainConfig, Trainer, exported_state, whiten_features
+from .train import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
 from .train_data import Dataset, DataSpec, Progress, build_features, generate_responses
 
 
@@ -62,6 +65,8 @@ class RunSpec:
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
     tune_steps: int = 5400              # DFlash2 continued in the draft vocabulary (the softmax, top-K and
     tune_lr: float = 3e-4               # selector the drafter runs; a step costs under half a full-vocab one)
+    init: str = ""                      # a finished run directory of the same drafter shape: start from its
+                                        # final weights and train only the tuning stage on this run's data
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
@@ -108,6 +113,47 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"selector_top_k {K} needs a hidden size >= K(K+1) = {K * (K + 1)} (target: {E})")
     if 0 < spec.draft_vocab < K:
         raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
+    if spec.init and spec.tune_steps < 1:
+        raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
+
+
+# settings that fix the drafter's shape and inputs: a run started from another (init) must share them
+_SHAPE = ("taps", "n_layer", "block_size", "mask_token_id", "n_ff", "selector_rank", "selector_top_k",
+          "conv_kernel_size", "conv_group_size", "whiten_features")
+
+
+def _init_source(spec: RunSpec) -> dict:
+    """The finished run `spec.init`, checked to have trained this drafter shape for the same
+    target (before any data is made); its final weights are loaded by ``_init_weights``."""
+    from .train_data import DataSpec, _capture_id
+
+    src = Path(spec.init)
+    path = src / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"init {src}: not a training run directory (no summary.json)")
+    prev = json.loads(path.read_text())
+    if "gguf" not in prev:
+        raise ValueError(f"init {src}: that run has not finished (no drafter written yet)")
+    pspec = {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
+    other = [k for k in _SHAPE if pspec[k] != getattr(spec, k)]
+    if other:
+        theirs = ", ".join(f"{k}={pspec[k]}" for k in other)
+        raise ValueError(f"init {src}: trained with other settings ({theirs})")
+    if not Path(pspec["target"]).is_file() or \
+            _capture_id(DataSpec(pspec["target"], spec.taps)) != _capture_id(DataSpec(spec.target, spec.taps)):
+        raise ValueError(f"init {src}: trained for another target ({pspec['target']})")
+    stage = "tune" if pspec["tune_steps"] else "v2"
+    if not (src / f"ckpt-{stage}.pt").is_file():
+        raise ValueError(f"init {src}: its final checkpoint ckpt-{stage}.pt is missing")
+    held = (prev.get("held_out", {}).get(stage) or [{}])[-1]
+    return {"run": str(src.resolve()), "stage": stage, "held_out_there": held, "data": prev.get("data", {}),
+            "wall_s": prev.get("wall_s", {})}
+
+
+def _init_weights(init: dict) -> dict:
+    ckpt = torch.load(Path(init["run"]) / f"ckpt-{init['stage']}.pt", weights_only=False)
+    init["steps"] = ckpt["step"]
+    return ckpt["model"]
 
 
 def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
@@ -177,6 +223,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     if spec.taps is None:
         spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
     check_spec(spec, tinfo)
+    init = _init_source(spec) if spec.init else None
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
@@ -227,12 +274,17 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     states = {}
     feature_sample = _feature_sample(ds) if spec.whiten_features else None
     stages = [("v1", 1, spec.v1_steps, spec.v1_lr), ("v2", 2, spec.v2_steps, spec.v2_lr)]
+    if init:  # the earlier run's final weights stand in for v1 and v2
+        states["v2"] = _init_weights(init)
+        summary["init"] = {**init, "start": summary.get("init", {}).get("start")}
+        stages = []
     if spec.tune_steps:
         stages.append(("tune", 2, spec.tune_steps, spec.tune_lr))
-    for seed, (name, version, steps, lr) in enumerate(stages, spec.seed + 1):
+    for name, version, steps, lr in stages:
+        seed = spec.seed + {"v1": 1, "v2": 2, "tune": 3}[name]
         model = DFlashReference(drafter_config(spec, version, tinfo))
         if feature_sample is not None:
-            whiten_features(model, feature_sample)
+            whiten_features(model, feature_sample)  # a loaded state brings its own scale
         if name == "v1":
             _init_v1(model, spec.seed)
         elif name == "v2":
@@ -244,6 +296,9 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
                          seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
         tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-{name}.pt",
                      val_ids=ds.val_ids or ds.train_ids[:8], log=say, vocab=vocab)
+        if init and tr.step == 0:  # where the earlier run's weights start on this run's held-out set
+            summary["init"]["start"] = evaluate_source(model, ds, tr.val_ids, embed, tr.head, vocab=vocab)
+            say(f"init {spec.init}: held-out {json.dumps(summary['init']['start'])}")
         if tr.step < steps:
             what = {"v1": "DFlash v1", "v2": "DFlash2", "tune": "DFlash2 in the draft vocabulary"}[name]
             say(f"training {what}: {sum(p.numel() for p in model.parameters())} "
