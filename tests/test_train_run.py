@@ -25,6 +25,7 @@ from llama_dflash.prompts import (
     training_prompts,
 )
 from llama_dflash.reference import DFlashReference
+from llama_dflash.train_data import Dataset
 
 from models import drafter_config
 
@@ -101,6 +102,16 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     assert s["init"]["run"] == str(a.resolve()) and s["init"]["stage"] == "tune" and s["init"]["steps"] == 6
     assert len(s["init"]["start"]["per_slot_accuracy"]) == 7 and "path_tau" in s["init"]["start"]
     assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
+    # a's responses and features were reused: only the 4 new prompts' 5 sequences were generated and captured
+    log = (b / "train.log").read_text()
+    assert "responses: starting from" in log and "generating 5 responses (8 already done)" in log
+    assert "8 of 13 sequences carried over" in log and "(5 captured now)" in log
+    fa, fb = Dataset(a / "data"), Dataset(b / "data")
+    rows = {fa.sequence(i)[0].tobytes(): np.array(fa.sequence(i)[1]) for i in range(len(fa))}
+    shared = [i for i in range(len(fb)) if fb.sequence(i)[0].tobytes() in rows]
+    assert len(shared) == 8
+    for i in shared:
+        np.testing.assert_array_equal(np.array(fb.sequence(i)[1]), rows[fb.sequence(i)[0].tobytes()])
     # started from a's weights: the feature scale (a fixed buffer) is a's, not one measured on b's data
     ta = torch.load(a / "ckpt-tune.pt", weights_only=False)["model"]
     tb = torch.load(b / "ckpt-tune.pt", weights_only=False)["model"]

@@ -157,7 +157,7 @@ def _read_state(out: Path) -> dict | None:
         return None
     if feats.stat().st_size != 2 * width * max(1, len(tokens)):
         return None
-    return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width}
+    return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width, "path": feats}
 
 
 def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int,
@@ -168,29 +168,31 @@ def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict
     tmp.replace(out / "features.done")
 
 
-def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int, old: dict | None,
+def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int, olds: list[dict],
                 log) -> np.ndarray:
     """Start features for a changed set of sequences, copying the rows of every sequence whose
-    tokens an earlier capture (same target and taps) already covered: a sequence's features depend
-    only on its own tokens, so a grown data set captures its new sequences only."""
+    tokens an earlier capture (same target and taps; this directory's or another's) already
+    covered: a sequence's features depend only on its own tokens, so a grown data set captures
+    its new sequences only."""
     done = np.zeros(len(index), bool)
     tmp = out / "features.f16.tmp"
     feats = np.memmap(tmp, np.float16, "w+", shape=(max(1, len(tokens)), width))
-    if old is not None and old["capture"] in (None, capture) and old["width"] == width:
-        src = np.memmap(out / "features.f16", np.float16, "r", shape=(max(1, len(old["tokens"])), width))
-        have = {}
-        for j in np.flatnonzero(old["done"]):
-            o, n = (int(x) for x in old["index"][j, :2])
-            have[old["tokens"][o:o + n].tobytes()] = o
-        for i in range(len(index)):
-            o, n = (int(x) for x in index[i, :2])
-            src_o = have.get(tokens[o:o + n].tobytes())
-            if src_o is not None:
-                feats[o:o + n] = src[src_o:src_o + n]
-                done[i] = True
-        del src
-        if done.any():
-            log(f"features: {int(done.sum())} of {len(index)} sequences carried over from the earlier capture")
+    have, srcs = {}, []
+    for old in olds:
+        if old["capture"] in (None, capture) and old["width"] == width:
+            srcs.append(np.memmap(old["path"], np.float16, "r", shape=(max(1, len(old["tokens"])), width)))
+            for j in np.flatnonzero(old["done"]):
+                o, n = (int(x) for x in old["index"][j, :2])
+                have.setdefault(old["tokens"][o:o + n].tobytes(), (srcs[-1], o))
+    for i in range(len(index)):
+        o, n = (int(x) for x in index[i, :2])
+        src = have.get(tokens[o:o + n].tobytes())
+        if src is not None:
+            feats[o:o + n] = src[0][src[1]:src[1] + n]
+            done[i] = True
+    del have, srcs
+    if done.any():
+        log(f"features: {int(done.sum())} of {len(index)} sequences carried over from the earlier capture")
     feats.flush()
     del feats
     # the old state goes first: a crash in between leaves no state (a fresh start), never a stale one
@@ -202,9 +204,11 @@ def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict,
     return done
 
 
-def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=print) -> None:
+def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=print,
+                   reuse: Sequence[Path] = ()) -> None:
     """Stage 2: pack the responses (of prompts in `keys`, default all) and capture their features
-    with the C capture (fp16 on disk).  Resumable, and incremental when responses were added."""
+    with the C capture (fp16 on disk).  Resumable, and incremental when responses were added;
+    `reuse`: other data directories (same target and taps) whose captured sequences are copied."""
     from .engine import SpeculativeGenerator
 
     recs, seen = [], set()
@@ -234,8 +238,9 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
         old = _read_state(out)
         same = (old is not None and old["capture"] in (None, capture) and old["width"] == width
                 and np.array_equal(old["index"], index) and np.array_equal(old["tokens"], tokens))
-        done = old["done"] if same else _new_layout(out, tokens, index, capture, width, old, log)
-        del old
+        olds = [st for st in [old, *map(_read_state, map(Path, reuse))] if st is not None]
+        done = old["done"] if same else _new_layout(out, tokens, index, capture, width, olds, log)
+        del old, olds
         feats = np.memmap(out / "features.f16", np.float16, "r+", shape=(max(1, len(tokens)), width))
         todo = np.flatnonzero(~done)
         bar = Progress(len(todo), "features")

@@ -9,13 +9,15 @@ proposes) -> HF export (config.json + model.safetensors, the z-lab layout) -> GG
 the converter (the path downloaded drafters take) -> the draft vocabulary's head rows and
 d2t map.
 With ``init`` (an earlier finished run) the v1 and v2 stages are that run's final weights and
-only the tuning stage trains, on this run's data: more data without repeating the first stages.
+only the tuning stage trains, on this run's data: more data without repeating the first stages
+(the earlier run's responses and features are reused when made with the same settings).
 ``summary.json`` records data sizes, wall times and held-out metrics of every stage.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -146,8 +148,10 @@ def _init_source(spec: RunSpec) -> dict:
     if not (src / f"ckpt-{stage}.pt").is_file():
         raise ValueError(f"init {src}: its final checkpoint ckpt-{stage}.pt is missing")
     held = (prev.get("held_out", {}).get(stage) or [{}])[-1]
+    # its responses and features serve this run too when they were made the same way
+    same_data = all(pspec[k] == getattr(spec, k) for k in ("max_new", "seed")) and (src / "data").is_dir()
     return {"run": str(src.resolve()), "stage": stage, "held_out_there": held, "data": prev.get("data", {}),
-            "wall_s": prev.get("wall_s", {})}
+            "wall_s": prev.get("wall_s", {}), "reuse_data": str((src / "data").resolve()) if same_data else None}
 
 
 def _init_weights(init: dict) -> dict:
@@ -253,8 +257,13 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
                      max_sequences=spec.max_sequences)
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None)
+    reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] else []
+    if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
+        shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
+        say(f"responses: starting from the {reuse[0]} ones")
     stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say))  # both resume / no-op when done
-    stage("features", lambda: build_features(data_dir, dspec, {p.key for p in prompts}, log=say))
+    stage("features", lambda: build_features(data_dir, dspec, {p.key for p in prompts}, log=say, reuse=reuse))
     ds = Dataset(data_dir)
     resp = int(sum(ds.index[:, 1] - ds.index[:, 2]))
     summary["data"] = {"sequences": len(ds), "tokens": ds.n_tokens, "response_tokens": resp,
