@@ -126,9 +126,16 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
                      *extra]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
-    (a / "summary.json").write_text(json.dumps({"spec": {}}))
+    (a / "ckpt-tune.pt").write_bytes(b"not a checkpoint")
     assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--init", str(a)]) == 2
-    assert "has not finished" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot read ckpt-tune.pt" in err and err.count("\n") == 1, err
+    for summary, msg in [({"spec": {}}, "has not finished"), ([1, 2], "holds no run settings")]:
+        (a / "summary.json").write_text(json.dumps(summary))
+        assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--init", str(a)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists()  # refused before any data was made
 
 
 def test_train_cli_errors(artifacts, tmp_path, capsys):

@@ -160,6 +160,12 @@ def _read_state(out: Path) -> dict | None:
     return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width, "path": feats}
 
 
+def _usable(st: dict, capture: dict, width: int) -> bool:
+    """Whether features recorded in state `st` were captured as this capture would (an older
+    state without a capture id is trusted: its run directory refused other settings)."""
+    return st["capture"] in (None, capture) and st["width"] == width
+
+
 def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int,
                  done: np.ndarray) -> None:
     tmp = out / "features.done.tmp"
@@ -179,7 +185,7 @@ def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict,
     feats = np.memmap(tmp, np.float16, "w+", shape=(max(1, len(tokens)), width))
     have, srcs = {}, []
     for old in olds:
-        if old["capture"] in (None, capture) and old["width"] == width:
+        if _usable(old, capture, width):
             srcs.append(np.memmap(old["path"], np.float16, "r", shape=(max(1, len(old["tokens"])), width)))
             for j in np.flatnonzero(old["done"]):
                 o, n = (int(x) for x in old["index"][j, :2])
@@ -236,8 +242,8 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
                               n_batch=512) as g:
         width = g.feature_width
         old = _read_state(out)
-        same = (old is not None and old["capture"] in (None, capture) and old["width"] == width
-                and np.array_equal(old["index"], index) and np.array_equal(old["tokens"], tokens))
+        same = (old is not None and _usable(old, capture, width) and np.array_equal(old["index"], index)
+                and np.array_equal(old["tokens"], tokens))
         olds = [st for st in [old, *map(_read_state, map(Path, reuse))] if st is not None]
         done = old["done"] if same else _new_layout(out, tokens, index, capture, width, olds, log)
         del old, olds

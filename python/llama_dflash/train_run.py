@@ -124,9 +124,9 @@ _SHAPE = ("taps", "n_layer", "block_size", "mask_token_id", "n_ff", "selector_ra
           "conv_kernel_size", "conv_group_size", "whiten_features")
 
 
-def _init_source(spec: RunSpec) -> dict:
-    """The finished run `spec.init`, checked to have trained this drafter shape for the same
-    target (before any data is made); its final weights are loaded by ``_init_weights``."""
+def _init_source(spec: RunSpec) -> tuple[dict, dict]:
+    """The finished run `spec.init` (what the summary records of it) and its final weights,
+    checked to be this drafter shape for the same target before any data is made."""
     from .train_data import DataSpec, _capture_id
 
     src = Path(spec.init)
@@ -134,6 +134,8 @@ def _init_source(spec: RunSpec) -> dict:
     if not path.is_file():
         raise ValueError(f"init {src}: not a training run directory (no summary.json)")
     prev = json.loads(path.read_text())
+    if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
+        raise ValueError(f"init {src}: {path.name} holds no run settings")
     if "gguf" not in prev:
         raise ValueError(f"init {src}: that run has not finished (no drafter written yet)")
     pspec = {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
@@ -141,23 +143,26 @@ def _init_source(spec: RunSpec) -> dict:
     if other:
         theirs = ", ".join(f"{k}={pspec[k]}" for k in other)
         raise ValueError(f"init {src}: trained with other settings ({theirs})")
-    if not Path(pspec["target"]).is_file() or \
-            _capture_id(DataSpec(pspec["target"], spec.taps)) != _capture_id(DataSpec(spec.target, spec.taps)):
+    if not Path(pspec["target"]).is_file():
+        raise ValueError(f"init {src}: its target {pspec['target']} is missing (needed to check it is this one)")
+    if _capture_id(DataSpec(pspec["target"], spec.taps)) != _capture_id(DataSpec(spec.target, spec.taps)):
         raise ValueError(f"init {src}: trained for another target ({pspec['target']})")
     stage = "tune" if pspec["tune_steps"] else "v2"
-    if not (src / f"ckpt-{stage}.pt").is_file():
-        raise ValueError(f"init {src}: its final checkpoint ckpt-{stage}.pt is missing")
+    ckpt_path = src / f"ckpt-{stage}.pt"
+    try:
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        state, steps = ckpt["model"], int(ckpt["step"])
+    except FileNotFoundError:
+        raise ValueError(f"init {src}: its final checkpoint {ckpt_path.name} is missing") from None
+    except Exception as e:  # a truncated or foreign file: torch raises several kinds
+        raise ValueError(f"init {src}: cannot read {ckpt_path.name} ({type(e).__name__}: {e})") from None
     held = (prev.get("held_out", {}).get(stage) or [{}])[-1]
     # its responses and features serve this run too when they were made the same way
     same_data = all(pspec[k] == getattr(spec, k) for k in ("max_new", "seed")) and (src / "data").is_dir()
-    return {"run": str(src.resolve()), "stage": stage, "held_out_there": held, "data": prev.get("data", {}),
-            "wall_s": prev.get("wall_s", {}), "reuse_data": str((src / "data").resolve()) if same_data else None}
-
-
-def _init_weights(init: dict) -> dict:
-    ckpt = torch.load(Path(init["run"]) / f"ckpt-{init['stage']}.pt", weights_only=False)
-    init["steps"] = ckpt["step"]
-    return ckpt["model"]
+    info = {"run": str(src.resolve()), "stage": stage, "steps": steps, "held_out_there": held,
+            "data": prev.get("data", {}), "wall_s": prev.get("wall_s", {}),
+            "reuse_data": str((src / "data").resolve()) if same_data else None}
+    return info, state
 
 
 def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
@@ -227,7 +232,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     if spec.taps is None:
         spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
     check_spec(spec, tinfo)
-    init = _init_source(spec) if spec.init else None
+    init, init_state = _init_source(spec) if spec.init else (None, None)
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
@@ -284,7 +289,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     feature_sample = _feature_sample(ds) if spec.whiten_features else None
     stages = [("v1", 1, spec.v1_steps, spec.v1_lr), ("v2", 2, spec.v2_steps, spec.v2_lr)]
     if init:  # the earlier run's final weights stand in for v1 and v2
-        states["v2"] = _init_weights(init)
+        states["v2"] = init_state
         summary["init"] = {**init, "start": summary.get("init", {}).get("start")}
         stages = []
     if spec.tune_steps:
