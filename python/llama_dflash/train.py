@@ -223,7 +223,7 @@ class Trainer:
         self.log = log or (lambda _msg: None)
         torch.manual_seed(tc.seed)
         self.rng = np.random.default_rng(tc.seed)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
         warm = max(1, int(tc.steps * tc.warmup))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, tc.steps) / tc.steps)))
