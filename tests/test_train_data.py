@@ -119,3 +119,45 @@ def test_other_taps_or_a_corrupt_state_capture_everything_again(artifacts, tmp_p
     (tmp_path / "features.done").write_text("{not json")
     build_features(tmp_path, spec, log=lambda m: None)
     assert len(counted) == 4 and Dataset(tmp_path).width == 3 * 64
+
+
+def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_path):
+    """Sampled responses per prompt (`samples`, `sampled_every`) grow a data set without redoing it:
+    each (prompt, temperature, sample) is generated once; sample 0 keeps the seed it had before
+    samples existed, so older files (no "sample" field) count as sample 0."""
+    from llama_dflash.prompts import training_prompts
+    from llama_dflash.train_data import generate_responses
+
+    d = tmp_path / "d"
+    prompts = training_prompts(limit=4)
+    base = dict(target=artifacts["llama"]["target"], taps=[0, 2], max_new=8, n_seq=4, temperature=1.5)
+
+    def lines():
+        return [json.loads(x) for x in (d / "responses.jsonl").read_text().splitlines()]
+
+    generate_responses(d, DataSpec(**base, sampled_every=2), prompts, log=lambda m: None)
+    first = lines()
+    assert sorted((r["temperature"], r.get("sample", 0)) for r in first) == [(0.0, 0)] * 4 + [(1.5, 0)] * 2
+    # an older file: no sample numbers -> nothing is generated again
+    (d / "responses.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "sample"}) + "\n" for r in first))
+    generate_responses(d, DataSpec(**base, sampled_every=2), prompts, log=lambda m: None)
+    assert len(lines()) == 6
+    generate_responses(d, DataSpec(**base, sampled_every=1, samples=2), prompts, log=lambda m: None)
+    recs = lines()
+    assert recs[:6] == [{k: v for k, v in r.items() if k != "sample"} for r in first]  # appended, not redone
+    ids = [(r["key"], r["temperature"], r.get("sample", 0)) for r in recs]
+    assert len(ids) == len(set(ids)) == 4 + 4 * 2
+    # the sample-0 responses made now used the seed the earlier scheme gives them: regenerating the
+    # whole set in one go from nothing yields the same sequences
+    whole = tmp_path / "whole"
+    generate_responses(whole, DataSpec(**base, sampled_every=1, samples=2), prompts, log=lambda m: None)
+    got = {(r["key"], r["temperature"], r.get("sample", 0)): r["response"] for r in recs}
+    redo = {(r["key"], r["temperature"], r["sample"]): r["response"]
+            for r in map(json.loads, (whole / "responses.jsonl").read_text().splitlines())}
+    assert got == redo
+    sampled = {k: v for k, v in got.items() if k[1] > 0}
+    assert len({tuple(v) for v in sampled.values()}) > len(prompts)  # samples 0 and 1 of a prompt differ
+    build_features(d, DataSpec(**base, sampled_every=1, samples=2), log=lambda m: None)
+    ds = Dataset(d)
+    assert len(ds) == 12 and sorted(ds.index[:, 3].tolist()) == [0] * 4 + [1500] * 8

@@ -187,15 +187,16 @@ def cmd_train(a: argparse.Namespace) -> int:
 
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
-    for k in ("prompts", "max_new", "max_sequences", "v1_steps", "v2_steps", "n_layer", "block_size", "outtype",
-              "seed", "draft_vocab", "tune_steps", "init"):
+    for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
+              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
-    if (spec.prompts < 0 or spec.max_sequences < 0 or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1
-            or spec.block_size < 2 or spec.n_layer < 1 or spec.draft_vocab < 0 or spec.tune_steps < 0):
-        raise ValueError("--prompts, --max-sequences, --draft-vocab and --tune-steps must be >= 0; --max-new, "
-                         "--v1-steps, --v2-steps and --n-layer >= 1; --block-size >= 2")
+    if (spec.prompts < 0 or spec.max_sequences < 0 or spec.sampled_every < 0 or spec.samples < 1
+            or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1 or spec.block_size < 2 or spec.n_layer < 1
+            or spec.draft_vocab < 0 or spec.tune_steps < 0):
+        raise ValueError("--prompts, --sampled-every, --max-sequences, --draft-vocab and --tune-steps must be >= 0; "
+                         "--samples, --max-new, --v1-steps, --v2-steps and --n-layer >= 1; --block-size >= 2")
     s = run(a.out, spec)
     if a.json:
         print(json.dumps(s))
@@ -428,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--smoke", action="store_true", help="tiny data and a few steps, end to end (a minute or two)")
     t.add_argument("--prompts", type=int, default=None, help="training prompts (0 = all)")
     t.add_argument("--max-new", type=int, default=None, help="response tokens per prompt")
+    t.add_argument("--sampled-every", type=int, default=None,
+                   help="every k-th prompt also gets sampled responses at T = 0.7 (default 4; 0 = greedy only)")
+    t.add_argument("--samples", type=int, default=None, help="sampled responses per such prompt (default 1)")
     t.add_argument("--max-sequences", type=int, default=None, help="train on at most this many generated sequences")
     t.add_argument("--v1-steps", type=int, default=None)
     t.add_argument("--v2-steps", type=int, default=None)

@@ -39,7 +39,8 @@ class DataSpec:
     taps: list[int]                 # HF layer ids (ZL convention)
     max_new: int = 192
     max_prompt: int = 320
-    sampled_every: int = 4          # every k-th prompt also gets a sampled response
+    sampled_every: int = 4          # every k-th prompt also gets sampled responses (0 = none)
+    samples: int = 1                # sampled responses per such prompt (each its own seed)
     temperature: float = 0.7
     n_seq: int = 8                  # sequences per decode
     held_out: float = 0.03          # fraction of prompts kept for validation
@@ -83,20 +84,22 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
                     r = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by an interrupted run
                     continue
-                done.add((r["key"], r["temperature"]))
+                done.add(_rid(r))
     jobs, meta = [], {}
     with Tokenizer(spec.target) as tok:  # released before the generator loads the model
         for i, p in enumerate(prompts):
             ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
             if len(ids) > spec.max_prompt:
                 continue
-            temps = [0.0] + ([spec.temperature] if spec.sampled_every and i % spec.sampled_every == 0 else [])
-            for t in temps:
-                if (p.key, t) in done:
+            sampled = spec.sampled_every and i % spec.sampled_every == 0
+            runs = [(0.0, 0)] + ([(spec.temperature, k) for k in range(spec.samples)] if sampled else [])
+            for t, k in runs:
+                if (p.key, t, k) in done:
                     continue
                 j = len(meta)
-                meta[j] = p
-                jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i))
+                meta[j] = (p, k)
+                # sample k > 0 of a prompt: its own stream; sample 0 keeps the seed runs before samples had
+                jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i + k * 100_003))
     if not jobs:
         return path
     log(f"generating {len(jobs)} responses ({len(done)} already done), {spec.n_seq} sequences per decode")
@@ -105,13 +108,24 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
     with BatchGenerator(spec.target, n_seq=spec.n_seq, max_len=spec.max_prompt + spec.max_new) as g, \
             open(path, "a", encoding="utf-8") as f:
         for c in g.run(jobs, spec.max_new):
-            p = meta[c.key]
-            f.write(json.dumps({"key": p.key, "source": p.source, "temperature": c.temperature,
+            p, k = meta[c.key]
+            f.write(json.dumps({"key": p.key, "source": p.source, "temperature": c.temperature, "sample": k,
                                 "prompt": c.prompt, "response": c.response}) + "\n")
             f.flush()
             n_tok += len(c.response)
             bar.update(1, f"{n_tok / max(1e-9, time.time() - bar.t0):.0f} tok/s")
     return path
+
+
+def _rid(r: dict) -> tuple[str, float, int]:
+    """A response's identity: prompt key, temperature, sample number (absent in older files: 0)."""
+    return r["key"], r["temperature"], int(r.get("sample", 0))
+
+
+def _order(r: dict) -> tuple:
+    """Sequences' fixed pseudo-random order (a hash of the identity; sample 0 hashes as before samples existed)."""
+    key, t, k = _rid(r)
+    return zlib.crc32(f"{key}|{t}".encode() + (f"|{k}".encode() if k else b"")), key, t, k
 
 
 def _held_out(key: str, frac: float) -> bool:
@@ -224,11 +238,11 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if (keys is None or r["key"] in keys) and (r["key"], r["temperature"]) not in seen:
-                seen.add((r["key"], r["temperature"]))
+            if (keys is None or r["key"] in keys) and _rid(r) not in seen:
+                seen.add(_rid(r))
                 recs.append(r)
     # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
-    recs.sort(key=lambda r: (zlib.crc32(f"{r['key']}|{r['temperature']}".encode()), r["key"], r["temperature"]))
+    recs.sort(key=_order)
     if spec.max_sequences:
         recs = recs[: spec.max_sequences]
     lengths = [len(r["prompt"]) + len(r["response"]) for r in recs]

@@ -43,6 +43,8 @@ class RunSpec:
     n_seq: int = 8
     max_sequences: int = 0              # use at most this many generated sequences (0 = all): feature capture
                                         # is a second target pass over the data, as slow as generating it
+    sampled_every: int = 4              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
+    samples: int = 1                    # sampled responses per such prompt
     taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
     n_layer: int = 2
     block_size: int = 8
@@ -260,7 +262,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 
     data_dir = out / "data"
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
-                     max_sequences=spec.max_sequences)
+                     max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples)
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None)
     reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] else []
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
