@@ -4,10 +4,10 @@ Stages, each skipped when its output exists (so an interrupted run picks up wher
 stopped; added responses capture only their new sequences): data (the target's responses,
 batched) -> features (C capture, fp16 on disk) -> DFlash v1 training -> DFlash2 training
 (v1 weights, identity convolutions, fresh selector, joint unary + selector loss) -> DFlash2
-tuned in the draft vocabulary (the most frequent training tokens, what the shipped head
-proposes) -> HF export (config.json + model.safetensors, the z-lab layout) -> GGUF through
-the converter (the path downloaded drafters take) -> the draft vocabulary's head rows and
-d2t map.
+tuned (continued at a lower learning rate) -> HF export (config.json + model.safetensors, the
+z-lab layout) -> GGUF through the converter (the path downloaded drafters take) -> the draft
+vocabulary's head rows and d2t map.  Every stage scores in the draft vocabulary (the most
+frequent training tokens, what the shipped head proposes), chosen once before training.
 With ``init`` (an earlier finished run) the v1 and v2 stages are that run's final weights and
 only the tuning stage trains, on this run's data: more data without repeating the first stages
 (the earlier run's responses and features are reused when made with the same settings).
@@ -67,8 +67,8 @@ class RunSpec:
     seed: int = 0
     draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
-    tune_steps: int = 5400              # DFlash2 continued in the draft vocabulary (the softmax, top-K and
-    tune_lr: float = 3e-4               # selector the drafter runs; a step costs under half a full-vocab one)
+    tune_steps: int = 5400              # DFlash2 continued at a lower learning rate (every stage scores in the
+    tune_lr: float = 3e-4               # draft vocabulary: a step costs under half a full-vocabulary one)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
 
@@ -307,7 +307,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
             _init_v2_from_v1(model, states["v1"], spec.seed)
         else:
             model.load_state_dict(states["v2"])
-        vocab = torch.as_tensor(keep) if name == "tune" and keep is not None else None
+        vocab = torch.as_tensor(keep) if keep is not None else None  # every stage scores in the draft vocabulary
         tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=spec.seqs_per_step, anchors_per_seq=spec.anchors_per_seq,
                          seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
         tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-{name}.pt",
@@ -316,7 +316,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
             summary["init"]["start"] = evaluate_source(model, ds, tr.val_ids, embed, tr.head, vocab=vocab)
             say(f"init {spec.init}: held-out {json.dumps(summary['init']['start'])}")
         if tr.step < steps:
-            what = {"v1": "DFlash v1", "v2": "DFlash2", "tune": "DFlash2 in the draft vocabulary"}[name]
+            what = {"v1": "DFlash v1", "v2": "DFlash2", "tune": "DFlash2 (tuning)"}[name]
             say(f"training {what}: {sum(p.numel() for p in model.parameters())} "
                 f"parameters, {steps} steps x {spec.seqs_per_step} sequences x {spec.anchors_per_seq} anchors")
             bar = Progress(steps, name, done=tr.step)
