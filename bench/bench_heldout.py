@@ -1,0 +1,75 @@
+"""Training runs' final drafters scored on one run's held-out sequences (same anchors for all).
+
+Each run's own summary says how it did on its own held-out set; sets differ between runs
+(more prompts or more sampled responses add held-out sequences), so comparing two drafters
+takes scoring both on the same one.  Every drafter is scored in the draft vocabulary it was
+trained and shipped with (chosen again from its own run's training data, as the run did).
+
+Usage: python bench/bench_heldout.py --on RUN_DIR RUN_DIR [RUN_DIR ...]
+                                     [--out bench/results/heldout.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llama_dflash.gguf_io import read_tensors
+from llama_dflash.reference import DFlashReference
+from llama_dflash.train import evaluate_source
+from llama_dflash.train_data import Dataset
+from llama_dflash.train_run import RunSpec, _draft_vocab, _target_config, drafter_config
+
+
+def final_drafter(run: Path) -> tuple[DFlashReference, str, RunSpec]:
+    """The run's last trained stage as a reference model (its feature scale included)."""
+    raw = json.loads((run / "summary.json").read_text())["spec"]
+    known = {f.name for f in fields(RunSpec)}
+    spec = RunSpec(**{k: v for k, v in raw.items() if k in known})
+    stage = "tune" if spec.tune_steps else "v2"
+    state = torch.load(run / f"ckpt-{stage}.pt", weights_only=False)["model"]
+    model = DFlashReference(drafter_config(spec, 2, _target_config(spec.target)))
+    if "feature_scale" in state:
+        model.register_buffer("feature_scale", state["feature_scale"])
+    model.load_state_dict(state)
+    return model.eval(), stage, spec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--on", required=True, help="the run whose held-out sequences score every drafter")
+    ap.add_argument("runs", nargs="+", help="finished run directories")
+    ap.add_argument("--out", default="bench/results/heldout.json")
+    a = ap.parse_args()
+    on = Dataset(Path(a.on) / "data")
+    rows = []
+    for run in map(Path, a.runs):
+        t0 = time.time()
+        model, stage, spec = final_drafter(run)
+        tinfo = _target_config(spec.target)
+        emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
+        vocab = None
+        if 0 < spec.draft_vocab < tinfo["n_vocab"]:
+            vocab = torch.as_tensor(_draft_vocab(Dataset(run / "data"), spec, tinfo["n_vocab"]))
+        head = (emb if vocab is None else emb[vocab]).to(torch.bfloat16)  # as the Trainer scores it
+        m = evaluate_source(model, on, on.val_ids, emb, head, vocab=vocab)
+        rows.append({"run": str(run), "stage": stage, "draft_vocab": spec.draft_vocab, **m,
+                     "seconds": round(time.time() - t0, 1)})
+        print(f"{run}: block tau {m['block_tau']:.3f}  path tau {m.get('path_tau', 0):.3f}  "
+              f"per-slot {m['per_slot_accuracy']}")
+    greedy = int((on.index[on.val_ids, 3] == 0).sum())
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "on": str(a.on), "held_out_sequences": len(on.val_ids),
+           "greedy": greedy, "sampled": len(on.val_ids) - greedy, "results": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"{len(on.val_ids)} held-out sequences of {a.on} ({greedy} greedy); saved {a.out}")
+
+
+if __name__ == "__main__":
+    main()
