@@ -9,7 +9,7 @@ import sys
 import pytest
 
 
-def run(*args, timeout=120):
+def run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -114,7 +114,7 @@ def test_chat_streams_two_turns_with_stats(artifacts):
     a = artifacts["llama"]
     r = subprocess.run([sys.executable, "-m", "llama_dflash.cli", "chat", "--model", a["target"], "--drafter",
                         a["drafter"], "--max-tokens", "8"], input="hello there\nand again\n/exit\nignored\n",
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     stats = [line for line in r.stderr.splitlines() if line.startswith("[") and "tau" in line]
     assert len(stats) == 2 and all("tok/s" in s for s in stats), r.stderr

@@ -232,7 +232,7 @@ def test_file_errors(artifacts, tmp_path):
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
 
 
 def test_cli_convert_and_inspect(artifacts, tmp_path):

@@ -35,7 +35,7 @@ print(json.dumps({"libs": {k: sorted(v) for k, v in libs.items()}, "n": len(r.to
 def test_single_copy_of_native_libraries(artifacts, order):
     a = artifacts["llama"]
     out = subprocess.run([sys.executable, "-c", SCRIPT, order, a["target"], a["drafter"]],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["n"] == 8
