@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -24,21 +24,22 @@ from llama_dflash.gguf_io import read_tensors
 from llama_dflash.reference import DFlashReference
 from llama_dflash.train import evaluate_source
 from llama_dflash.train_data import Dataset
-from llama_dflash.train_run import RunSpec, _draft_vocab, _target_config, drafter_config
+from llama_dflash.train_run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights
 
 
-def final_drafter(run: Path) -> tuple[DFlashReference, str, RunSpec]:
-    """The run's last trained stage as a reference model (its feature scale included)."""
+def final_drafter(run: Path) -> tuple[DFlashReference, str, RunSpec, dict]:
+    """The run's last trained stage as a reference model (its feature scale included), the
+    stage's name, the run's settings and its target's sizes."""
     raw = json.loads((run / "summary.json").read_text())["spec"]
     known = {f.name for f in fields(RunSpec)}
     spec = RunSpec(**{k: v for k, v in raw.items() if k in known})
-    stage = "tune" if spec.tune_steps else "v2"
-    state = torch.load(run / f"ckpt-{stage}.pt", weights_only=False)["model"]
-    model = DFlashReference(drafter_config(spec, 2, _target_config(spec.target)))
+    stage, state, _ = final_weights(run, asdict(spec))
+    tinfo = _target_config(spec.target)
+    model = DFlashReference(drafter_config(spec, 2, tinfo))
     if "feature_scale" in state:
         model.register_buffer("feature_scale", state["feature_scale"])
     model.load_state_dict(state)
-    return model.eval(), stage, spec
+    return model.eval(), stage, spec, tinfo
 
 
 def main() -> None:
@@ -51,8 +52,7 @@ def main() -> None:
     rows = []
     for run in map(Path, a.runs):
         t0 = time.time()
-        model, stage, spec = final_drafter(run)
-        tinfo = _target_config(spec.target)
+        model, stage, spec, tinfo = final_drafter(run)
         emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
         vocab = None
         if 0 < spec.draft_vocab < tinfo["n_vocab"]:

@@ -238,8 +238,9 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if (keys is None or r["key"] in keys) and _rid(r) not in seen:
-                seen.add(_rid(r))
+            rid = _rid(r)
+            if (keys is None or r["key"] in keys) and rid not in seen:
+                seen.add(rid)
                 recs.append(r)
     # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
     recs.sort(key=_order)

@@ -149,15 +149,7 @@ def _init_source(spec: RunSpec) -> tuple[dict, dict]:
         raise ValueError(f"init {src}: its target {pspec['target']} is missing (needed to check it is this one)")
     if _capture_id(DataSpec(pspec["target"], spec.taps)) != _capture_id(DataSpec(spec.target, spec.taps)):
         raise ValueError(f"init {src}: trained for another target ({pspec['target']})")
-    stage = "tune" if pspec["tune_steps"] else "v2"
-    ckpt_path = src / f"ckpt-{stage}.pt"
-    try:
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        state, steps = ckpt["model"], int(ckpt["step"])
-    except FileNotFoundError:
-        raise ValueError(f"init {src}: its final checkpoint {ckpt_path.name} is missing") from None
-    except Exception as e:  # a truncated or foreign file: torch raises several kinds
-        raise ValueError(f"init {src}: cannot read {ckpt_path.name} ({type(e).__name__}: {e})") from None
+    stage, state, steps = final_weights(src, pspec, what="init ")
     held = (prev.get("held_out", {}).get(stage) or [{}])[-1]
     # its responses and features serve this run too when they were made the same way
     same_data = all(pspec[k] == getattr(spec, k) for k in ("max_new", "seed")) and (src / "data").is_dir()
@@ -165,6 +157,19 @@ def _init_source(spec: RunSpec) -> tuple[dict, dict]:
             "data": prev.get("data", {}), "wall_s": prev.get("wall_s", {}),
             "reuse_data": str((src / "data").resolve()) if same_data else None}
     return info, state
+
+
+def final_weights(src: Path, pspec: dict, what: str = "") -> tuple[str, dict, int]:
+    """A finished run's last trained stage (run settings `pspec`): (stage, model state, steps)."""
+    stage = "tune" if pspec["tune_steps"] else "v2"
+    ckpt_path = src / f"ckpt-{stage}.pt"
+    try:
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        return stage, ckpt["model"], int(ckpt["step"])
+    except FileNotFoundError:
+        raise ValueError(f"{what}{src}: its final checkpoint {ckpt_path.name} is missing") from None
+    except Exception as e:  # a truncated or foreign file: torch raises several kinds
+        raise ValueError(f"{what}{src}: cannot read {ckpt_path.name} ({type(e).__name__}: {e})") from None
 
 
 def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
