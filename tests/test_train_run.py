@@ -143,7 +143,7 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
     for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"], ["--draft-vocab", "-1"],
-                ["--tune-steps", "-1"]):
+                ["--tune-steps", "-1"], ["--sampled-every", "-1"], ["--samples", "0"]):
         assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"),
                      *bad]) == 2, bad
         err = capsys.readouterr().err
