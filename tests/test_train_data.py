@@ -161,3 +161,7 @@ def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_pa
     build_features(d, DataSpec(**base, sampled_every=1, samples=2), log=lambda m: None)
     ds = Dataset(d)
     assert len(ds) == 12 and sorted(ds.index[:, 3].tolist()) == [0] * 4 + [1500] * 8
+    # a run asking for fewer responses than the directory holds packs only the ones it asks for
+    build_features(d, DataSpec(**base, sampled_every=2), prompts, log=lambda m: None)
+    ds = Dataset(d)
+    assert len(ds) == 6 and sorted(ds.index[:, 3].tolist()) == [0] * 4 + [1500] * 2

@@ -91,9 +91,7 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
             ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
             if len(ids) > spec.max_prompt:
                 continue
-            sampled = spec.sampled_every and i % spec.sampled_every == 0
-            runs = [(0.0, 0)] + ([(spec.temperature, k) for k in range(spec.samples)] if sampled else [])
-            for t, k in runs:
+            for t, k in _runs(spec, i):
                 if (p.key, t, k) in done:
                     continue
                 j = len(meta)
@@ -115,6 +113,17 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
             n_tok += len(c.response)
             bar.update(1, f"{n_tok / max(1e-9, time.time() - bar.t0):.0f} tok/s")
     return path
+
+
+def _runs(spec: DataSpec, i: int) -> list[tuple[float, int]]:
+    """The (temperature, sample number) responses the spec asks for prompt number `i`."""
+    sampled = spec.sampled_every and i % spec.sampled_every == 0
+    return [(0.0, 0)] + ([(spec.temperature, k) for k in range(spec.samples)] if sampled else [])
+
+
+def wanted(spec: DataSpec, prompts: Sequence[Prompt]) -> set[tuple[str, float, int]]:
+    """The identities (prompt key, temperature, sample) of the responses the spec asks for."""
+    return {(p.key, t, k) for i, p in enumerate(prompts) for t, k in _runs(spec, i)}
 
 
 def _rid(r: dict) -> tuple[str, float, int]:
@@ -224,13 +233,15 @@ def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict,
     return done
 
 
-def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=print,
+def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None = None, log=print,
                    reuse: Sequence[Path] = ()) -> None:
-    """Stage 2: pack the responses (of prompts in `keys`, default all) and capture their features
-    with the C capture (fp16 on disk).  Resumable, and incremental when responses were added;
-    `reuse`: other data directories (same target and taps) whose captured sequences are copied."""
+    """Stage 2: pack the responses the spec asks for `prompts` (default: every response on file; a
+    directory may hold more, e.g. samples of an earlier, larger run) and capture their features with
+    the C capture (fp16 on disk).  Resumable, and incremental when responses were added; `reuse`:
+    other data directories (same target and taps) whose captured sequences are copied."""
     from .engine import SpeculativeGenerator
 
+    want = None if prompts is None else wanted(spec, prompts)
     recs, seen = [], set()
     with open(out / "responses.jsonl", encoding="utf-8") as f:
         for line in f:
@@ -239,7 +250,7 @@ def build_features(out: Path, spec: DataSpec, keys: set[str] | None = None, log=
             except json.JSONDecodeError:
                 continue
             rid = _rid(r)
-            if (keys is None or r["key"] in keys) and rid not in seen:
+            if (want is None or rid in want) and rid not in seen:
                 seen.add(rid)
                 recs.append(r)
     # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample

@@ -275,7 +275,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
         say(f"responses: starting from the {reuse[0]} ones")
     stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say))  # both resume / no-op when done
-    stage("features", lambda: build_features(data_dir, dspec, {p.key for p in prompts}, log=say, reuse=reuse))
+    stage("features", lambda: build_features(data_dir, dspec, prompts, log=say, reuse=reuse))
     ds = Dataset(data_dir)
     resp = int(sum(ds.index[:, 1] - ds.index[:, 2]))
     summary["data"] = {"sequences": len(ds), "tokens": ds.n_tokens, "response_tokens": resp,
