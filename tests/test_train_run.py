@@ -42,7 +42,7 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     with capsys.disabled():
         print(f"\n[train --smoke] {wall:.1f} s end to end; stages {s['wall_s']}")
-    assert s["data"]["sequences"] == 8 and s["data"]["sampled_sequences"] == 2  # 6 prompts + every 4th sampled
+    assert s["data"]["sequences"] == 12 and s["data"]["sampled_sequences"] == 6  # 6 prompts, each also sampled
     assert set(s["data"]["prompt_sources"]) <= {"stdlib-code", "authored-code", "authored-general"}
     for v in ("v1", "v2", "tune"):
         assert [h["step"] for h in s["held_out"][v]] == [3, 6]

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompts", type=int, default=None, help="training prompts (0 = all)")
     t.add_argument("--max-new", type=int, default=None, help="response tokens per prompt")
     t.add_argument("--sampled-every", type=int, default=None,
-                   help="every k-th prompt also gets sampled responses at T = 0.7 (default 4; 0 = greedy only)")
+                   help="every k-th prompt also gets sampled responses at T = 0.7 (default 1; 0 = greedy only)")
     t.add_argument("--samples", type=int, default=None, help="sampled responses per such prompt (default 1)")
     t.add_argument("--max-sequences", type=int, default=None, help="train on at most this many generated sequences")
     t.add_argument("--v1-steps", type=int, default=None)
@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
     t.add_argument("--tune-steps", type=int, default=None,
-                   help="DFlash2 steps continued in the draft vocabulary (default 5400; 0 = none)")
+                   help="DFlash2 steps continued in the draft vocabulary (default 10800; 0 = none)")
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
                         "only the tuning stage on this run's data")

@@ -38,12 +38,12 @@ from .train_data import Dataset, DataSpec, Progress, build_features, generate_re
 @dataclass
 class RunSpec:
     target: str
-    prompts: int = 1500                 # training prompts (0 = all)
+    prompts: int = 0                    # training prompts (0 = all)
     max_new: int = 192
     n_seq: int = 8
     max_sequences: int = 0              # use at most this many generated sequences (0 = all): feature capture
                                         # is a second target pass over the data, as slow as generating it
-    sampled_every: int = 4              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
+    sampled_every: int = 1              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
     samples: int = 1                    # sampled responses per such prompt
     taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
     n_layer: int = 2
@@ -67,7 +67,7 @@ class RunSpec:
     seed: int = 0
     draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
-    tune_steps: int = 5400              # DFlash2 continued at a lower learning rate (every stage scores in the
+    tune_steps: int = 10800             # DFlash2 continued at a lower learning rate (every stage scores in the
     tune_lr: float = 3e-4               # draft vocabulary: a step costs under half a full-vocabulary one)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
