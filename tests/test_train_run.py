@@ -97,19 +97,19 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--prompts", "10", "--tune-steps", "4",
                  "--init", str(a), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["data"]["sequences"] == 13 and set(s["held_out"]) == {"tune"}
+    assert s["data"]["sequences"] == 20 and set(s["held_out"]) == {"tune"}
     assert [h["step"] for h in s["held_out"]["tune"]] == [3, 4]
     assert s["init"]["run"] == str(a.resolve()) and s["init"]["stage"] == "tune" and s["init"]["steps"] == 6
     assert len(s["init"]["start"]["per_slot_accuracy"]) == 7 and "path_tau" in s["init"]["start"]
     assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
-    # a's responses and features were reused: only the 4 new prompts' 5 sequences were generated and captured
+    # a's responses and features were reused: only the 4 new prompts' 8 sequences were generated and captured
     log = (b / "train.log").read_text()
-    assert "responses: starting from" in log and "generating 5 responses (8 already done)" in log
-    assert "8 of 13 sequences carried over" in log and "(5 captured now)" in log
+    assert "responses: starting from" in log and "generating 8 responses (12 already done)" in log
+    assert "12 of 20 sequences carried over" in log and "(8 captured now)" in log
     fa, fb = Dataset(a / "data"), Dataset(b / "data")
     rows = {fa.sequence(i)[0].tobytes(): np.array(fa.sequence(i)[1]) for i in range(len(fa))}
     shared = [i for i in range(len(fb)) if fb.sequence(i)[0].tobytes() in rows]
-    assert len(shared) == 8
+    assert len(shared) == 12
     for i in shared:
         np.testing.assert_array_equal(np.array(fb.sequence(i)[1]), rows[fb.sequence(i)[0].tobytes()])
     # started from a's weights: the feature scale (a fixed buffer) is a's, not one measured on b's data
