@@ -165,3 +165,16 @@ def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_pa
     build_features(d, DataSpec(**base, sampled_every=2), prompts, log=lambda m: None)
     ds = Dataset(d)
     assert len(ds) == 6 and sorted(ds.index[:, 3].tolist()) == [0] * 4 + [1500] * 2
+
+
+def test_too_little_disk_is_a_clear_error(artifacts, tmp_path, monkeypatch):
+    """The memory-mapped feature file would crash the process on a full disk: checked first."""
+    import shutil
+    from collections import namedtuple
+
+    _responses(tmp_path / "responses.jsonl", _recs(3, 5))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(ValueError, match="GiB free"):
+        build_features(tmp_path, DataSpec(target=artifacts["llama"]["target"], taps=[0, 2]), log=lambda m: None)
+    assert not (tmp_path / "features.f16").exists() and not (tmp_path / "features.f16.tmp").exists()

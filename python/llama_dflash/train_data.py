@@ -197,6 +197,17 @@ def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict
     tmp.replace(out / "features.done")
 
 
+def _check_disk(out: Path, need: int) -> None:
+    """The feature file is sparse and memory-mapped: running out of disk while its pages are
+    written kills the process (SIGBUS), so the space is checked before it is created."""
+    import shutil
+
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise ValueError(f"features for this data need {need / 2**30:.1f} GiB in {out}, only {free / 2**30:.1f} GiB "
+                         "free (--max-sequences or fewer --prompts make them smaller)")
+
+
 def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int, olds: list[dict],
                 log) -> np.ndarray:
     """Start features for a changed set of sequences, copying the rows of every sequence whose
@@ -205,6 +216,7 @@ def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict,
     its new sequences only."""
     done = np.zeros(len(index), bool)
     tmp = out / "features.f16.tmp"
+    _check_disk(out, 2 * width * max(1, len(tokens)))
     feats = np.memmap(tmp, np.float16, "w+", shape=(max(1, len(tokens)), width))
     have, srcs = {}, []
     for old in olds:
