@@ -34,7 +34,6 @@ from llama_cpp import _logger
 
 import llama_dflash
 from llama_dflash import completion
-from llama_dflash._native import ffi, lib
 from llama_dflash.certify import certify
 from llama_dflash.llama import openai_response_format
 from llama_dflash.models import default_target, shipped_drafter
@@ -223,9 +222,8 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
     checker = llama_cpp.Llama(target, n_ctx=2048, verbose=False, logits_all=True)  # every row of a batch
     steps: list[dict] = []
 
-    @ffi.callback("dflash_step_fn")
-    def on_step(_ud, st):
-        steps.append({"drafted": st.drafted, "accepted": st.accepted, "committed": st.committed})
+    def on_step(st):
+        steps.append({"drafted": st["drafted"], "accepted": st["accepted"], "committed": st["committed"]})
     rows = []
     for kind, prompt, kw in CASES:
         msgs = [{"role": "user", "content": prompt}]
@@ -246,9 +244,9 @@ def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[di
             spec.grammar_aware_drafting, spec.draft_n_max = aware, n
             spec.reset()  # no KV reuse from the previous run: the prompt is evaluated again, as for plain
             steps.clear()
-            lib.dflash_engine_set_step_fn(spec._engine, on_step, ffi.NULL)
+            spec.on_step = on_step
             got = spec.create_chat_completion(msgs, max_tokens=max_tokens, temperature=0.0, **kw)
-            lib.dflash_engine_set_step_fn(spec._engine, ffi.NULL, ffi.NULL)
+            spec.on_step = None
             st = spec.last_speculative_stats
             got_tokens = _tokens(spec)
             spec.reset()

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import llama_dflash
-from llama_dflash._native import ffi, lib
 
 TEXT = "Hé said: wörld ünïcödé → done. Then «more» text ends ✓ here"
 PROMPT = "The story:"
@@ -60,20 +59,17 @@ def replay(spec, script: list[int], n_prompt: int, corrupt_every: int):
     cycling position (0: never), so runs of every length are accepted and rejected."""
     state = {"step": 0}
 
-    @ffi.callback("dflash_draft_fn")
-    def draft(_ud, hist, n_hist, n, out):
-        done = n_hist - n_prompt
+    def draft(hist, n):
+        done = len(hist) - n_prompt
         prop = script[done:done + n]
         state["step"] += 1
         if corrupt_every and state["step"] % corrupt_every == 0 and prop:
             bad = state["step"] % len(prop)
             prop[bad] = (prop[bad] + 1) % 1000
-        for i, t in enumerate(prop):
-            out[i] = t
-        return len(prop)
+        return prop
 
-    lib.dflash_engine_set_draft_fn(spec._engine, draft, ffi.NULL)
-    return draft  # keep the callback alive
+    spec.draft_source = draft
+    return draft
 
 
 def close(a, b) -> bool:
@@ -134,7 +130,7 @@ def test_chunks_equal_plain(models, stop, corrupt_every):
                     full = s1.seen[0] + tuple(script)
                     assert all(ids == full[:len(ids)] for ids in s2.seen)
     finally:
-        lib.dflash_engine_set_draft_fn(spec._engine, ffi.NULL, ffi.NULL)
+        spec.draft_source = None
         del keep
 
 

@@ -95,10 +95,30 @@ def test_interrupted_stream_then_new_request(pair, artifacts):
     want = base.create_completion(PROMPTS[3], max_tokens=16, temperature=0.0)
     got = spec.create_completion(PROMPTS[3], max_tokens=16, temperature=0.0)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
-    # a target without layer-input capture in a Llama context: plain decoding, reason recorded
+
+
+@pytest.mark.parametrize("n_ctx", [128, 0])
+def test_cb_eval_target_speculates_through_the_drop_in(artifacts, n_ctx):
+    """qwen2's graph records no layer inputs: the drop-in class installs the cb_eval capture in
+    the one context the base class creates, and speculates (greedy output equal to plain)."""
     q = artifacts["qwen2"]
-    llm = llama_dflash.Llama(q["target"], n_ctx=128, verbose=False, draft_model_path=q["drafter"])
-    _decodes_plainly(llm, q["target"], "layer-input capture")
+    llm = llama_dflash.Llama(q["target"], n_ctx=n_ctx, verbose=False, draft_model_path=q["drafter"])
+    ref = llama_cpp.Llama(q["target"], n_ctx=n_ctx, verbose=False)
+    try:
+        assert llm._core.capture_mode == "cb_eval"
+        for p in PROMPTS[:3]:
+            got = llm(p, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+            assert got == ref(p, max_tokens=24, temperature=0.0)["choices"][0]["text"], p
+            st = llm.last_speculative_stats
+            assert st.fallback_reason == "" and st.drafted > 0 and st.mode == "greedy", st
+        msgs = [{"role": "user", "content": "Hello there"}]
+        want = ref.create_chat_completion(msgs, max_tokens=16, temperature=0.0)["choices"][0]["message"]
+        chunks = llm.create_chat_completion(msgs, max_tokens=16, temperature=0.0, stream=True)
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want["content"]
+        assert llm.last_speculative_stats.drafted > 0
+    finally:
+        llm.close()
+        ref.close()
 
 
 def _decodes_plainly(llm, target: str, reason: str) -> None:
@@ -284,7 +304,6 @@ def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
 def test_draft_n_min_drops_short_drafts(artifacts):
     """draft_n_min: a draft shorter than it (here: a source proposing 0-4 tokens) is not
     verified; longer ones are; output unchanged."""
-    from llama_dflash._native import ffi, lib
 
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
@@ -293,17 +312,14 @@ def test_draft_n_min_drops_short_drafts(artifacts):
     spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_min=3)
     calls = []
 
-    @ffi.callback("dflash_draft_fn")
-    def source(_ud, hist, n_hist, n, out):
+    def source(hist, n):
         k = min(n, len(calls) % 5)
         calls.append(k)
-        for i in range(k):
-            out[i] = ref[n_hist + i] if n_hist + i < len(ref) else 0
-        return k
+        return [ref[len(hist) + i] if len(hist) + i < len(ref) else 0 for i in range(k)]
 
-    lib.dflash_engine_set_draft_fn(spec._engine, source, ffi.NULL)
+    spec.draft_source = source
     got = spec.create_completion(PROMPTS[0], max_tokens=40, temperature=0.0)
-    lib.dflash_engine_set_draft_fn(spec._engine, ffi.NULL, ffi.NULL)
+    spec.draft_source = None
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     st = spec.last_speculative_stats
     assert {1, 2, 3, 4} <= set(calls) and st.drafted == sum(k for k in calls if k >= 3) > 0

@@ -80,9 +80,9 @@ def restricted(g, toks, max_size=8):
     s = list(dict.fromkeys(g.generate(toks, 2, stop_on_eos=False).tokens))
     k = 0
     while k < len(s) and len(s) < max_size:
-        g._drafter.reset()
-        g._drafter.push(feats)
-        for t in g._drafter.draft(s[k], 2):
+        g.drafter.reset()
+        g.drafter.push(feats)
+        for t in g.drafter.draft(s[k], 2):
             if t not in s and len(s) < max_size:
                 s.append(t)
         k += 1

@@ -11,9 +11,9 @@ the reason is recorded in ``last_speculative_stats``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import inspect
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,18 +22,11 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from . import _native, completion
-from ._native import ffi, lib
-from .drafter import DFlashError, Drafter
-from .engine import engine_steps
-from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
+from . import completion
+from .core import DraftSource, EngineCore, EngineRequest, StepCallback
+from .drafter import check_file
+from .sampling import SamplingParams
 from .stats import Acceptance, SpecStats
-
-
-def lib_logits(engine, k: int):
-    """The raw logits row behind the k-th token of the engine's last step, as a ctypes pointer."""
-    return ctypes.cast(int(ffi.cast("uintptr_t", lib.dflash_engine_last_logits(engine, k))),
-                       ctypes.POINTER(ctypes.c_float))
 
 
 def openai_response_format(response_format):
@@ -114,6 +107,10 @@ class Llama(llama_cpp.Llama):
 
     Completions run through a loop that adds O(1) work per token (llama-cpp-python's re-reads
     the whole text), and ``logprobs`` work without ``logits_all`` (no n_ctx x n_vocab buffer).
+
+    ``stop_requested`` (a ``threading.Event``): set it from another thread to end the running
+    generation after its current step, as a length limit would (finish_reason "length"); it
+    stays set until cleared, so clear it before the next request (the server does both).
     """
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
@@ -144,52 +141,70 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"draft_n_min must be an integer >= 0, got {draft_n_min!r}")
         if verify not in ("match", "rejection"):
             raise ValueError(f"verify must be 'match' or 'rejection', got {verify!r}")
+        if not isinstance(draft_p_min, (int, float)) or not 0.0 <= draft_p_min <= 1.0:  # NaN fails too
+            raise ValueError(f"draft_p_min must be a number in [0, 1], got {draft_p_min!r}")
+        if draft_n_max is not None and (not isinstance(draft_n_max, int) or draft_n_max < 0):
+            raise ValueError(f"draft_n_max must be an integer >= 0 (or None), got {draft_n_max!r}")
         if speculation not in ("on", "off", "auto"):
             raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
+        self.stop_requested = threading.Event()
+        self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
+        self.on_step: StepCallback | None = None        # receives each verify step's cache state
+        self._dflash_rows = None  # (list, n): the completion loop asked for per-token logprobs
+        self._dflash_budget = -1
+        self._core: EngineCore | None = None
+        self._unavailable: str | None = None
+        self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
+        if draft_model_path is not None:
+            check_file(draft_model_path, "drafter")
+            # built as soon as the base class has loaded the model, before it creates the context:
+            # cb_eval capture (qwen2, gemma3, ...) must be in the context params (see _model below)
+            self._pending_core = {"drafter_path": draft_model_path, "n_batch": kwargs.get("n_batch", 512),
+                                  "n_threads": kwargs.get("n_threads")}
         super().__init__(model_path, *args, **kwargs)
+        self.__dict__.pop("_pending_core", None)
         self.verify = verify
         self.speculation = speculation
         self.draft_p_min = draft_p_min
         self.draft_n_min = draft_n_min
         self.grammar_aware_drafting = bool(grammar_aware_drafting)
-        self._dflash_rows = None  # (list, n): the completion loop asked for per-token logprobs
         self.last_speculative_stats: SpecStats | None = None
         self.speculative_stats_total = SpeculativeTotals()
-        self._drafter = self._capture = self._engine = None
-        self._dflash_budget = -1
-        self._unavailable: str | None = None
-        self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
-        if draft_model_path is None:
+        if self._core is None:
             return
-        err = _native.err_buf()
-        self._drafter = Drafter(draft_model_path, self._model.model, n_ctx=self.n_ctx(), n_threads=self.n_threads)
-        info = self._drafter.info
+        self._core.attach(self._ctx.ctx)
+        self._unavailable = self._core.unavailable
+        info = self._core.drafter_info
         self.draft_n_max = info.block_size - 1 if draft_n_max is None else max(0, min(draft_n_max, info.block_size - 1))
-        taps = ffi.new("int32_t[]", list(info.target_layers))
-        model_c = _native.ptr("struct llama_model *", self._model.model)
-        if self._is_recurrent or self._is_hybrid:
-            self._unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+
+    # The base class assigns ``self._model`` once, right after loading the model and before it
+    # creates the context from ``self.context_params``: the engine core is built there, so that
+    # a cb_eval capture is in the params of the one context the base class creates.
+    @property
+    def _model(self):
+        try:
+            return self.__dict__["_dflash_target"]
+        except KeyError:
+            raise AttributeError("_model") from None
+
+    @_model.setter
+    def _model(self, model) -> None:
+        self.__dict__["_dflash_target"] = model
+        pending = self.__dict__.pop("_pending_core", None)
+        if pending is None or model is None:
             return
-        if not lib.dflash_target_has_layer_inp(model_c):
-            # cb_eval capture must be in the context params: this Llama's context cannot get it.
-            self._unavailable = "target architecture has no layer-input capture in a Llama context"
+        if self.model_params.vocab_only:
+            self._unavailable = "vocab-only model (no weights: nothing to decode)"
             return
-        cap = lib.dflash_capture_new(model_c, taps, len(info.target_layers), self.n_batch, lib.DFLASH_CAPTURE_LAYER_INP,
-                                     err, _native.ERR_LEN)
-        if cap == ffi.NULL:
-            raise DFlashError(_native.err_str(err))
-        self._capture = ffi.gc(cap, lib.dflash_capture_free)
-        ctx_c = _native.ptr("struct llama_context *", self._ctx.ctx)
-        if lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
-            raise DFlashError(_native.err_str(err))
-        eng = lib.dflash_engine_new(ctx_c, self._drafter.handle, self._capture, err, _native.ERR_LEN)
-        if eng == ffi.NULL:
-            raise DFlashError(_native.err_str(err))
-        self._engine = ffi.gc(eng, lib.dflash_engine_free)
+        # n_ctx=0: the base sets it after this; llama.cpp pads a context to a multiple of 256
+        n_ctx = -(-(self.context_params.n_ctx or model.n_ctx_train()) // 256) * 256
+        self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
+                                n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads)
+        self._core.prepare_context(self.context_params)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
         kwargs.update(zip(_COMPLETION_ARGS, args, strict=False))
-        if (self._drafter is None or suffix is not None or self._logits_all
+        if (self._core is None or suffix is not None or self._logits_all
                 or (kwargs.get("echo") and kwargs.get("logprobs") is not None)):
             # the base class's own loop (it still draws its tokens from generate below)
             self._dflash_budget = -1 if max_tokens is None else max_tokens
@@ -206,8 +221,8 @@ class Llama(llama_cpp.Llama):
 
     def _forget(self) -> None:
         """Someone else is changing the context's KV: the engine must not reuse what it left there."""
-        if getattr(self, "_engine", None) is not None:
-            lib.dflash_engine_forget(self._engine)
+        if getattr(self, "_core", None) is not None:
+            self._core.forget()
 
     @functools.wraps(llama_cpp.Llama.reset)
     def reset(self) -> None:
@@ -220,12 +235,12 @@ class Llama(llama_cpp.Llama):
         self._forget()
 
     def _fallback_reason(self, temp, mirostat_mode) -> str | None:
-        if self._drafter is None:
+        if self._unavailable:
+            return self._unavailable
+        if self._core is None:
             return None
         if self.speculation == "off":
             return "speculation off"
-        if self._unavailable:
-            return self._unavailable
         if self._outside_eval:
             # a chat handler (multimodal: image / audio chunks) filled the context itself
             return "prompt evaluated outside the speculative loop (multimodal chunks)"
@@ -248,7 +263,7 @@ class Llama(llama_cpp.Llama):
         speculative loop when it can be exact, else by the base class."""
         budget, self._dflash_budget = self._dflash_budget, -1
         reason = self._fallback_reason(temp, mirostat_mode)
-        if self._drafter is None or reason is not None:
+        if self._core is None or reason is not None:
             self._forget()  # the base class is about to use the context
             if reason is not None:
                 self.last_speculative_stats = SpecStats(drafter="none", mode="plain", fallback_reason=reason)
@@ -271,7 +286,7 @@ class Llama(llama_cpp.Llama):
         toks = [int(t) for t in tokens]
         # Like the base generator, run until the caller stops (create_completion may read a few
         # tokens past max_tokens to complete a UTF-8 character); drafts stop at its max_tokens.
-        max_tokens = self.n_ctx() - len(toks)
+        max_tokens = min(self.n_ctx(), self._core.n_ctx) - len(toks)
         if max_tokens < 1:
             return
         sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
@@ -285,6 +300,8 @@ class Llama(llama_cpp.Llama):
         """The base class's generator; with logprobs asked for, each token's row is summarised
         while the context still holds it."""
         for t in super().generate(tokens, **kw):
+            if self.stop_requested.is_set():
+                return
             if rows is not None:
                 row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1), (self._n_vocab,))
                 rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
@@ -297,72 +314,59 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
-        if getattr(self, "_engine", None) is not None:
+        if getattr(self, "_core", None) is not None:
             self._outside_eval = True  # the next generation must use what this put in the context
             self._forget()
         super().eval(tokens)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None) -> Iterator[int]:
-        mode, chain = verification(sp, self._model.model, self._model.vocab, self._n_vocab, history=toks)
-        params = ffi.new("struct dflash_engine_params *", {
-            "n_draft": self.draft_n_max, "n_min": self.draft_n_min, "max_tokens": max_tokens, "stop_on_eos": True,
-            "mode": mode,
-            "temperature": sp.temperature, "seed": sp.seed, "p_min": self.draft_p_min, "draft_budget": budget,
-            "reuse_prefix": True, **grammar_params(sp, chain),
-            "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
+        req = EngineRequest(max_tokens=max_tokens, draft_len=self.draft_n_max, n_min=self.draft_n_min,
+                            p_min=self.draft_p_min, draft_budget=budget, reuse_prefix=True, sampling=sp)
         rows = self._dflash_rows
-
-        def check(rc: int, err) -> None:
-            if rc < 0:
-                raise DFlashError(_native.err_str(err))
-
         # prompt + tokens handed out so far (what the stopping criteria see), without per-token copies
         ids = np.empty(len(toks) + max_tokens, dtype=np.intc)
         ids[:len(toks)] = toks
         n_ids = len(toks)
-        auto = _AutoSpeculation(self._engine, self.draft_n_max) if self.speculation == "auto" else None
-        try:
-            for step in engine_steps(self._engine, toks, params, check):
-                if auto is not None:
-                    auto.observe(len(step))
-                for k, t in enumerate(step):
-                    # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
-                    # the row that produced it -- only verified tokens, never drafts.
-                    if stopping_criteria is not None or rows is not None:
-                        row = np.ctypeslib.as_array(lib_logits(self._engine, k), (self._n_vocab,))
-                        if rows is not None:
-                            rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
-                        if stopping_criteria is not None and stopping_criteria(ids[:n_ids], row):
-                            return
-                    ids[n_ids] = t
-                    n_ids += 1
-                    yield t
-        finally:
-            with contextlib.suppress(Exception):
-                self._record_stats(mode)
-                if auto is not None and auto.reason:
-                    self.last_speculative_stats.fallback_reason = auto.reason
-            if chain is not None:
-                chain.close()
-            # Tell the base class what the KV cache now holds (everything committed but the last
-            # token), so that its own prefix matching and bookkeeping stay true.
-            kv_len = self._engine_kv_len()
-            kept = min(kv_len, n_ids)
-            if kept < kv_len:  # the consumer stopped inside a step: drop what it never saw
-                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
-                lib.dflash_engine_forget(self._engine)
-            self.input_ids[:kept] = ids[:kept]
-            self.n_tokens = kept
+        with self._core.run(toks, req, draft_source=self.draft_source, on_step=self.on_step, history=toks) as run:
+            auto = _AutoSpeculation(run, self.draft_n_max) if self.speculation == "auto" else None
+            try:
+                for step in run.steps():
+                    if self.stop_requested.is_set() and n_ids > len(toks):
+                        return
+                    if auto is not None:
+                        auto.observe(len(step))
+                    for k, t in enumerate(step):
+                        # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
+                        # the row that produced it -- only verified tokens, never drafts.
+                        if stopping_criteria is not None or rows is not None:
+                            row = run.logits(k)
+                            if rows is not None:
+                                rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
+                            if stopping_criteria is not None and stopping_criteria(ids[:n_ids], row):
+                                return
+                        ids[n_ids] = t
+                        n_ids += 1
+                        yield t
+            finally:
+                with contextlib.suppress(Exception):
+                    self._record_stats(run.stats())
+                    if auto is not None and auto.reason:
+                        self.last_speculative_stats.fallback_reason = auto.reason
+                # Tell the base class what the KV cache now holds (everything committed but the last
+                # token), so that its own prefix matching and bookkeeping stay true.
+                kv_len = self._engine_kv_len()
+                kept = min(kv_len, n_ids)
+                if kept < kv_len:  # the consumer stopped inside a step: drop what it never saw
+                    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
+                    self._core.forget()
+                self.input_ids[:kept] = ids[:kept]
+                self.n_tokens = kept
 
     def _engine_kv_len(self) -> int:
         return max(0, llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(self._ctx.ctx), 0) + 1)
 
-    def _record_stats(self, mode: int) -> None:
-        st = ffi.new("struct dflash_stats *")
-        lib.dflash_engine_get_stats(self._engine, st)
-        s = SpecStats.from_c(st, self.draft_n_max, "dflash")
-        s.mode = MODE_NAMES[mode]
+    def _record_stats(self, s: SpecStats) -> None:
         self.last_speculative_stats = s
         tot = self.speculative_stats_total
         tot.generations += 1
@@ -375,11 +379,9 @@ class Llama(llama_cpp.Llama):
         tot.grammar_skipped += s.grammar_skipped
 
     def close(self) -> None:
-        self._engine = None  # before the context it drives
-        self._capture = None
-        if getattr(self, "_drafter", None) is not None:
-            self._drafter.close()
-            self._drafter = None
+        if getattr(self, "_core", None) is not None:
+            self._core.close()  # before the context it drives
+            self._core = None
         if hasattr(self, "_stack"):
             super().close()
 
@@ -393,8 +395,8 @@ class _AutoSpeculation:
     PLAIN_STEPS = 3
     SPEC_STEPS = 6
 
-    def __init__(self, engine, draft_len: int) -> None:
-        self.engine, self.draft_len = engine, draft_len
+    def __init__(self, run, draft_len: int) -> None:
+        self.run, self.draft_len = run, draft_len
         self.phase = "plain"
         self.count, self.tokens = 0, 0
         self.t0 = time.perf_counter()
@@ -411,10 +413,10 @@ class _AutoSpeculation:
             if self.count > self.PLAIN_STEPS:
                 self.plain_rate = self.tokens / max(now - self.t0, 1e-9)
                 self.phase, self.count, self.tokens, self.t0 = "spec", 0, 0, now
-                lib.dflash_engine_set_draft_len(self.engine, self.draft_len)
+                self.run.set_draft_len(self.draft_len)
             elif self.count == 1:  # after start (which set the draft length): probe plain steps first
                 self.t0 = now
-                lib.dflash_engine_set_draft_len(self.engine, 0)
+                self.run.set_draft_len(0)
         elif self.phase == "spec":
             self.tokens += n_tokens
             self.count += 1
@@ -422,5 +424,5 @@ class _AutoSpeculation:
                 rate = self.tokens / max(now - self.t0, 1e-9)
                 self.phase = "decided"
                 if rate < self.plain_rate:
-                    lib.dflash_engine_set_draft_len(self.engine, 0)
+                    self.run.set_draft_len(0)
                     self.reason = f"auto: speculative {rate:.0f} tok/s < plain {self.plain_rate:.0f} tok/s"

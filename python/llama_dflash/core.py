@@ -1,0 +1,292 @@
+"""The engine core: the one owner of speculative decoding's native handles.
+
+``EngineCore`` sits on a loaded target model (``llama_model *``) and the context created for
+it.  It loads the drafter, sets up feature capture -- layer inputs where the architecture's
+graph records them, else a cb_eval callback that must be in the context's params when the
+context is created (``prepare_context``) -- creates the C engine (``attach``) and runs
+generations described by one typed ``EngineRequest``.  ``SpeculativeGenerator`` and
+``llama_dflash.Llama`` (and through them the server and the CLI) are adapters over it: a
+parameter travels entry point -> ``EngineRequest`` -> ``struct dflash_engine_params``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import llama_cpp
+import numpy as np
+
+from . import _native
+from ._native import ffi, lib
+from .drafter import DFlashError, Drafter, DrafterInfo
+from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
+from .stats import SpecStats
+
+DraftSource = Callable[[Sequence[int], int], Sequence[int]]
+"""An external drafter: (committed tokens, last = anchor; n) -> up to n proposed tokens."""
+
+StepCallback = Callable[[dict], None]
+
+CAPTURE_MODES = {"auto": 0, "layer_inp": 1, "cb_eval": 2}
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw one
+
+
+@dataclass
+class EngineRequest:
+    """One generation's parameters, as the C loop takes them (``struct dflash_engine_params``)."""
+
+    max_tokens: int
+    draft_len: int = 0          # tokens drafted per step (0: plain decoding)
+    n_min: int = 0              # drafts shorter than this (after cuts) are dropped
+    p_min: float = 0.0          # cut a greedy / match draft at its first slot less confident than this
+    draft_budget: int = 0       # no drafts past this many generated tokens (0: max_tokens)
+    stop_on_eos: bool = True
+    reuse_prefix: bool = False  # keep the previous generation's KV / drafter cache for the common prefix
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_len < 0:
+            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
+        if self.n_min < 0:
+            raise ValueError(f"n_min must be >= 0, got {self.n_min}")
+        if not 0.0 <= self.p_min <= 1.0:  # also refuses NaN
+            raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+
+
+class Run:
+    """One generation in progress: its steps, the logits behind its tokens, its stats."""
+
+    def __init__(self, core: EngineCore, tokens: list[int], req: EngineRequest, params, chain, kind: str) -> None:
+        self.core, self.tokens, self.req, self.params, self.chain, self.kind = core, tokens, req, params, chain, kind
+        self.errors: list[BaseException] = []  # raised by Python callbacks inside the C loop
+        self.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
+
+    def check(self, rc: int, err) -> None:
+        """Raise what went wrong: a Python callback's exception first, else the core's message."""
+        if self.errors:
+            raise self.errors[0]
+        if rc < 0:
+            raise DFlashError(_native.err_str(err))
+
+    def steps(self) -> Iterator[list[int]]:
+        """The prefill's token, then each verify step's tokens, as they are committed."""
+        e = self.core._engine
+        err = _native.err_buf()
+        first = lib.dflash_engine_start(e, self.prompt_c, len(self.tokens), self.params, ffi.NULL, err,
+                                        _native.ERR_LEN)
+        self.check(first, err)
+        yield [first]
+        buf = ffi.new("int32_t[]", int(lib.DFLASH_MAX_DRAFT) + 1)
+        while (n := lib.dflash_engine_step(e, buf, ffi.NULL, err, _native.ERR_LEN)) != 0:
+            self.check(n, err)
+            yield list(buf[0:n])
+
+    def generate(self, return_margins: bool = False) -> tuple[list[int], list[float] | None, SpecStats]:
+        """The whole generation in one C call: (tokens, margins or None, stats)."""
+        n_max = self.req.max_tokens
+        out = ffi.new("int32_t[]", n_max)
+        margins = ffi.new("float[]", n_max) if return_margins else ffi.NULL
+        st = ffi.new("struct dflash_stats *")
+        err = _native.err_buf()
+        n = lib.dflash_engine_generate(self.core._engine, self.prompt_c, len(self.tokens), self.params, out, margins,
+                                       st, err, _native.ERR_LEN)
+        self.check(n, err)
+        return list(out[0:n]), (list(margins[0:n]) if return_margins else None), self._stats(st)
+
+    def logits(self, k: int) -> np.ndarray:
+        """The target's raw logits row behind the k-th token of the last step (a view, valid
+        until the next step)."""
+        p = ctypes.cast(int(ffi.cast("uintptr_t", lib.dflash_engine_last_logits(self.core._engine, k))),
+                        ctypes.POINTER(ctypes.c_float))
+        return np.ctypeslib.as_array(p, (self.core.n_vocab,))
+
+    def set_draft_len(self, n: int) -> None:
+        """Draft length of the following steps (0: plain steps)."""
+        lib.dflash_engine_set_draft_len(self.core._engine, n)
+
+    def stats(self) -> SpecStats:
+        st = ffi.new("struct dflash_stats *")
+        lib.dflash_engine_get_stats(self.core._engine, st)
+        return self._stats(st)
+
+    def _stats(self, st) -> SpecStats:
+        s = SpecStats.from_c(st, self.req.draft_len, self.kind)
+        s.mode = MODE_NAMES[st.mode]
+        return s
+
+
+class EngineCore(_native.Resource):
+    """Drafter, feature capture and C engine over one target model and its context.
+
+    model: the target's ``llama_model *`` (ctypes, as llama_cpp returns it).  drafter_path:
+    a DFlash / DFlash2 GGUF, or None (plain decoding; ``capture_layers`` then turns capture
+    on alone, HF layer ids, e.g. for training features).  Use: ``prepare_context(cparams)``
+    on the params the context will be created with, then ``attach(ctx)``.
+    """
+
+    def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
+                 n_threads: int | None = None, capture: str = "auto",
+                 capture_layers: Sequence[int] | None = None) -> None:
+        self._drafter = self._capture = self._engine = None
+        self._chain_draft_cb = self._chain_step_cb = None
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {sorted(CAPTURE_MODES)}, got {capture!r}")
+        self.n_ctx = n_ctx  # usable positions: min(this, the context's) once attached
+        self._model_c = _native.ptr("struct llama_model *", model)
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.drafter_info: DrafterInfo | None = None
+        self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
+        lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
+        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+            self.unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+        taps = list(capture_layers or [])
+        if drafter_path is not None:
+            self._drafter = Drafter(drafter_path, model, n_ctx, n_threads or _native.default_threads())
+            self.drafter_info = self._drafter.info
+            taps = list(self.drafter_info.target_layers)
+        self.capture_mode = "none"
+        if taps:
+            err = _native.err_buf()
+            c = lib.dflash_capture_new(self._model_c, ffi.new("int32_t[]", taps), len(taps), n_batch,
+                                       CAPTURE_MODES[capture], err, _native.ERR_LEN)
+            if c == ffi.NULL:
+                self.close()
+                raise DFlashError(_native.err_str(err))
+            self._capture = c
+            self.capture_mode = {1: "layer_inp", 2: "cb_eval"}[lib.dflash_capture_mode(c)]
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def prepare_context(self, cparams) -> None:
+        """Put the cb_eval capture (if this target needs it) into the ``llama_context_params``
+        (a ctypes struct) the target context will be created with."""
+        if self._capture is not None:
+            lib.dflash_capture_install(self._capture, _native.ptr("void *", cparams))
+
+    def attach(self, ctx) -> None:
+        """Bind the capture and create the engine on the target context (``llama_context *``)."""
+        err = _native.err_buf()
+        ctx_c = _native.ptr("struct llama_context *", ctx)
+        if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
+            raise DFlashError(_native.err_str(err))
+        e = lib.dflash_engine_new(ctx_c, self._drafter.handle if self._drafter else ffi.NULL,
+                                  self._capture or ffi.NULL, err, _native.ERR_LEN)
+        if e == ffi.NULL:
+            raise DFlashError(_native.err_str(err))
+        self._engine = e
+        if self._drafter is not None:
+            self.n_ctx = min(self.n_ctx, int(llama_cpp.llama_n_ctx(ctx)))
+        else:
+            self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+
+    # -- info -------------------------------------------------------------------------------
+
+    @property
+    def has_drafter(self) -> bool:
+        return self._drafter is not None
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    @property
+    def max_draft_len(self) -> int:
+        """Longest draft: the drafter's block - 1 (without a drafter, the core's limit)."""
+        return self.drafter_info.block_size - 1 if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+
+    @property
+    def feature_width(self) -> int:
+        """Values per position that ``features`` returns (n_taps * n_embd)."""
+        if self._capture is None:
+            raise DFlashError("no capture: load a drafter or pass capture_layers")
+        return lib.dflash_capture_row_width(self._capture)
+
+    # -- running ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def run(self, tokens: Sequence[int], req: EngineRequest, *, draft_source: DraftSource | None = None,
+            on_step: StepCallback | None = None, history: Sequence[int] = ()) -> Iterator[Run]:
+        """Set up one generation (sampler chain, callbacks, the C params); tear it down after.
+        ``history``: what logits processors see before the first generated token."""
+        if self._engine is None:
+            raise DFlashError("the engine is closed")
+        req.check()
+        toks = [int(t) for t in tokens]
+        sp = req.sampling
+        mode, chain = verification(sp, self._model, self._vocab, self.n_vocab, history=history)
+        seed = sp.seed if sp.seed != RANDOM_SEED else int.from_bytes(os.urandom(8), "little")
+        params = ffi.new("struct dflash_engine_params *", {
+            "n_draft": req.draft_len, "n_min": req.n_min, "max_tokens": req.max_tokens,
+            "stop_on_eos": req.stop_on_eos, "mode": mode, "temperature": sp.temperature, "seed": seed,
+            "p_min": req.p_min, "draft_budget": req.draft_budget, "reuse_prefix": req.reuse_prefix,
+            **grammar_params(sp, chain),
+            "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
+        kind = "external" if draft_source else ("dflash" if self._drafter and req.draft_len > 0 else "none")
+        r = Run(self, toks, req, params, chain, kind)
+        draft_cb = step_cb = ffi.NULL
+        if draft_source is not None:
+            def _draft(_ud, hist, n_hist, n, out):
+                try:
+                    prop = list(draft_source(ffi.unpack(hist, n_hist), n))
+                    if len(prop) > n:
+                        raise DFlashError(f"draft source returned {len(prop)} tokens (asked for at most {n})")
+                    for i, t in enumerate(prop):
+                        out[i] = int(t)
+                    return len(prop)
+                except BaseException as ex:  # re-raised after the C loop returns
+                    r.errors.append(ex)
+                    return -1
+            draft_cb = ffi.callback("dflash_draft_fn", _draft)
+        if on_step is not None:
+            def _step(_ud, s):
+                try:
+                    on_step({"step": s.step, "drafted": s.drafted, "accepted": s.accepted,
+                             "committed": s.committed, "target_len": s.target_len, "drafter_len": s.drafter_len})
+                except BaseException as ex:
+                    r.errors.append(ex)
+            step_cb = ffi.callback("dflash_step_fn", _step)
+        lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
+        lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
+        try:
+            yield r
+        finally:
+            lib.dflash_engine_set_draft_fn(self._engine, ffi.NULL, ffi.NULL)
+            lib.dflash_engine_set_step_fn(self._engine, ffi.NULL, ffi.NULL)
+            if chain is not None:
+                chain.close()
+
+    def forget(self) -> None:
+        """Someone else changed the context's KV: do not reuse what the engine left there."""
+        if self._engine is not None:
+            lib.dflash_engine_forget(self._engine)
+
+    def features(self, tokens: Sequence[int]) -> np.ndarray:
+        """Target features of ``tokens`` (decoded from position 0): [n, n_taps * n_embd] float32."""
+        toks = [int(t) for t in tokens]
+        out = np.empty((len(toks), self.feature_width), dtype=np.float32)
+        err = _native.err_buf()
+        arr = ffi.new("int32_t[]", toks) if toks else ffi.new("int32_t[]", 1)
+        if lib.dflash_engine_features(self._engine, arr, len(toks), ffi.from_buffer("float[]", out), err,
+                                      _native.ERR_LEN):
+            raise DFlashError(_native.err_str(err))
+        return out
+
+    def close(self) -> None:
+        """Free the engine, the drafter and the capture (in that order; before the context)."""
+        if getattr(self, "_engine", None):
+            lib.dflash_engine_free(self._engine)
+        self._engine = None
+        if getattr(self, "_drafter", None):
+            self._drafter.close()
+        self._drafter = None
+        if getattr(self, "_capture", None):
+            lib.dflash_capture_free(self._capture)
+        self._capture = None
