@@ -57,8 +57,17 @@ def test_generate_json(artifacts, tmp_path):
     (["generate", "--model", "{target}", "--prompt", "x", "--max-tokens", "zero"], "invalid int value"),
     (["generate", "--model", "{target}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "--model", "{target}", "--prompt", "x", "--mode", "best"], "invalid choice"),
-])
+] + [(["generate", "--model", "{target}", "--prompt", "x", flag, value], want) for flag, value, want in [
+    ("--threads", "0", "outside 1.."), ("--threads", "-1", "outside 1.."),
+    ("--temperature", "nan", "temperature must be >= 0"), ("--temperature", "inf", "temperature must be >= 0"),
+    ("--top-p", "-0.5", "top-p must be"), ("--top-p", "nan", "top-p must be"), ("--top-k", "-5", "outside 0.."),
+    ("--min-p", "2", "min-p must be"), ("--min-p", "-1", "min-p must be"), ("--min-p", "nan", "min-p must be"),
+    ("--repeat-penalty", "0", "repeat-penalty must be > 0"), ("--repeat-penalty", "-1", "repeat-penalty must be"),
+    ("--repeat-penalty", "nan", "repeat-penalty must be"), ("--repeat-penalty", "inf", "repeat-penalty must be"),
+    ("--max-tokens", str(2**63), "outside 1.."), ("--draft-len", str(2**31), "outside 0.."),
+    ("--n-ctx", str(2**31), "outside 1.."), ("--seed", str(2**64), "outside -1.."), ("--seed", "-2", "outside -1..")]])
 def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
+    """Every bad value is a one-line error with exit 2 (no traceback, no silent acceptance)."""
     a = artifacts["llama"]
     trunc = tmp_path / "t.gguf"
     trunc.write_bytes(open(a["drafter"], "rb").read()[:5000])
@@ -119,3 +128,17 @@ def test_chat_streams_two_turns_with_stats(artifacts):
     stats = [line for line in r.stderr.splitlines() if line.startswith("[") and "tau" in line]
     assert len(stats) == 2 and all("tok/s" in s for s in stats), r.stderr
     assert len(r.stdout.splitlines()) >= 2
+
+
+def test_seed_minus_one_and_undecodable_paths_are_accepted(artifacts, tmp_path):
+    """--seed -1 means random (llama.cpp's convention); a drafter at a path that is not UTF-8 loads."""
+    import os
+    import shutil
+
+    a = artifacts["llama"]
+    odd = os.path.join(os.fsencode(tmp_path), b"drafter-\xff.gguf")
+    shutil.copyfile(a["drafter"], odd)
+    r = run("generate", "--model", a["target"], "--drafter", os.fsdecode(odd), "--prompt", "Hello", "--max-tokens", "4",
+            "--temperature", "0.8", "--seed", "-1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
-from llama_dflash.cli import divergence_report
+from llama_dflash.cli import divergence_report, replay_divergence
 from llama_dflash.models import default_target, shipped_drafter
 from llama_dflash.prompts import chatml, humaneval_prompts
 
@@ -28,16 +28,20 @@ def test_shipped_drafter_is_a_dflash2_drafter_for_smollm2(gen):
 
 def test_shipped_drafter_accepts_on_held_out_prompts_and_keeps_greedy_output(gen, capsys):
     """Three HumanEval prompts (never trained on): a trained drafter gets several tokens per step
-    (a random one gets ~1.0), and greedy output equals plain decoding but at certified near-ties."""
+    (a random one gets ~1.0), and greedy output equals plain decoding but where plain
+    llama-cpp-python, replaying the speculative run's verify batches, picks the same token
+    (certified batch numerics; the margins of such ties depend on the CPU's kernels)."""
     taus = []
     for p in humaneval_prompts()[:3]:
         toks = gen.tokenize(chatml(p.text))
         plain = gen.generate(toks, 64, draft_len=0, return_margins=True)
-        spec = gen.generate(toks, 64, draft_len=7, return_margins=True)
+        steps: list[dict] = []
+        spec = gen.generate(toks, 64, draft_len=7, return_margins=True, on_step=steps.append)
         taus.append(spec.stats.tau)
         if spec.tokens != plain.tokens:
-            rep = divergence_report(gen, plain, spec, 0.1)
-            assert rep["verdict"] == "near-tie", rep
+            replay = replay_divergence(str(default_target()), toks, plain, spec, steps, 1024)
+            rep = divergence_report(gen, plain, spec, 0.1, replay=replay)
+            assert rep["verdict"] in ("batch-numerics", "near-tie"), rep
     with capsys.disabled():
         print(f"\n[shipped drafter, 3 HumanEval prompts, n = 7] tau {[round(t, 2) for t in taus]}")
     assert min(taus) > 1.15 and sum(taus) / 3 > 1.3  # bench: tau 1.6 at n = 7 on 10 problems; random ~1.0

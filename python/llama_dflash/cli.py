@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -18,24 +19,62 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"llama-dflash: error: {message}\n")
 
 
+_I32 = 2**31 - 1
+
+
+def _int(lo: int, hi: int = _I32):
+    """argparse type: an integer in [lo, hi] (what the C side can hold), else a one-line error."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is outside {lo}..{hi}")
+        return v
+    return parse
+
+
+def _float(name: str, lo: float, hi: float | None = None, lo_open: bool = False):
+    """argparse type: a finite number in [lo, hi] ((lo, hi] with lo_open), else a one-line error."""
+    rng = (f"> {lo:g}" if lo_open else f">= {lo:g}") + (f" and <= {hi:g}" if hi is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(v) or v < lo or (hi is not None and v > hi) or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"{name} must be {rng} (and finite), got {text}")
+        return v
+    return parse
+
+
+def _seed(text: str) -> int:
+    """A sampling seed: 0..2**32-1, or -1 (random: llama.cpp's default seed)."""
+    v = _int(-1, 2**32 - 1)(text)
+    return 0xFFFFFFFF if v == -1 else v
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--draft-len", type=int, default=None, help="tokens drafted per step (default: block - 1)")
-    p.add_argument("--n-ctx", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-tokens", type=_int(1), default=128)
+    p.add_argument("--draft-len", type=_int(0, 64), default=None, help="tokens drafted per step (default: block - 1)")
+    p.add_argument("--n-ctx", type=_int(1, 2**24), default=2048)
+    p.add_argument("--threads", type=_int(1, 1024), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (token-identical to plain)")
+    p.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0,
+                   help="0 = greedy (token-identical to plain)")
     p.add_argument("--mode", choices=["match", "rejection"], default="match",
                    help="T > 0 verification: match (same seed => same text as plain) or rejection (higher acceptance)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default: random")
+    p.add_argument("--top-k", type=_int(0), default=40)
+    p.add_argument("--top-p", type=_float("top-p", 0.0, 1.0), default=0.95)
+    p.add_argument("--min-p", type=_float("min-p", 0.0, 1.0), default=0.05)
+    p.add_argument("--repeat-penalty", type=_float("repeat-penalty", 0.0, lo_open=True), default=1.0)
+    p.add_argument("--seed", type=_seed, default=0xFFFFFFFF, help="default (or -1): random")
 
 
 def _sampling(a: argparse.Namespace):
@@ -169,13 +208,6 @@ def cmd_chat(a: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
-
-
-def cmd_serve(a: argparse.Namespace) -> int:
-    """The OpenAI-compatible server (python -m llama_dflash.server); arguments pass through."""
-    from .server import main as server_main
-
-    return server_main(a.args)
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -400,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = df.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
-    df.add_argument("--eps", type=float, default=0.1, help="top-1/top-2 logit margin below which a divergence is a "
-                                                          "numerical near-tie")
+    df.add_argument("--eps", type=_float("eps", 0.0), default=0.1,
+                    help="top-1/top-2 logit margin below which a divergence is a numerical near-tie")
     df.add_argument("--no-replay", action="store_true",
                     help="greedy: do not replay the speculative run's batches in plain llama-cpp-python (a second "
                          "copy of the model) to certify a divergence; classify by --eps alone")
@@ -412,36 +444,37 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
     ch.add_argument("--drafter", default=None, help="drafter GGUF (default with the embedded model: the shipped one)")
     ch.add_argument("--system", default=None, help="system message")
-    ch.add_argument("--max-tokens", type=int, default=256)
-    ch.add_argument("--draft-len", type=int, default=None)
-    ch.add_argument("--n-ctx", type=int, default=4096)
-    ch.add_argument("--threads", type=int, default=None)
-    ch.add_argument("--temperature", type=float, default=0.0)
-    ch.add_argument("--seed", type=int, default=0xFFFFFFFF)
+    ch.add_argument("--max-tokens", type=_int(1), default=256)
+    ch.add_argument("--draft-len", type=_int(0, 64), default=None)
+    ch.add_argument("--n-ctx", type=_int(1, 2**24), default=4096)
+    ch.add_argument("--threads", type=_int(1, 1024), default=None)
+    ch.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0)
+    ch.add_argument("--seed", type=_seed, default=0xFFFFFFFF)
     ch.add_argument("--verbose", action="store_true")
     ch.set_defaults(func=cmd_chat)
-    sv = sub.add_parser("serve", help="OpenAI-compatible server (arguments of python -m llama_dflash.server)")
-    sv.add_argument("args", nargs=argparse.REMAINDER)
-    sv.set_defaults(func=cmd_serve, verbose=False)
+    # `serve` is parsed by the server itself (main() hands it every argument); listed for --help
+    sub.add_parser("serve", help="OpenAI-compatible server: llama-dflash serve --model T.gguf --draft_model_path "
+                                 "D.gguf [...] (see llama-dflash serve --help)")
     t = sub.add_parser("train", help="train a DFlash2 drafter for a target on its own generations (resumable)")
     t.add_argument("--out", required=True, help="run directory (data, checkpoints, hf/, drafter.gguf, summary.json)")
     t.add_argument("--target", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
     t.add_argument("--smoke", action="store_true", help="tiny data and a few steps, end to end (a minute or two)")
-    t.add_argument("--prompts", type=int, default=None, help="training prompts (0 = all)")
-    t.add_argument("--max-new", type=int, default=None, help="response tokens per prompt")
-    t.add_argument("--sampled-every", type=int, default=None,
+    t.add_argument("--prompts", type=_int(-_I32), default=None, help="training prompts (0 = all)")
+    t.add_argument("--max-new", type=_int(-_I32), default=None, help="response tokens per prompt")
+    t.add_argument("--sampled-every", type=_int(-_I32), default=None,
                    help="every k-th prompt also gets sampled responses at T = 0.7 (default 1; 0 = greedy only)")
-    t.add_argument("--samples", type=int, default=None, help="sampled responses per such prompt (default 1)")
-    t.add_argument("--max-sequences", type=int, default=None, help="train on at most this many generated sequences")
-    t.add_argument("--v1-steps", type=int, default=None)
-    t.add_argument("--v2-steps", type=int, default=None)
-    t.add_argument("--n-layer", type=int, default=None)
-    t.add_argument("--block-size", type=int, default=None)
+    t.add_argument("--samples", type=_int(-_I32), default=None, help="sampled responses per such prompt (default 1)")
+    t.add_argument("--max-sequences", type=_int(-_I32), default=None,
+                   help="train on at most this many generated sequences")
+    t.add_argument("--v1-steps", type=_int(-_I32), default=None)
+    t.add_argument("--v2-steps", type=_int(-_I32), default=None)
+    t.add_argument("--n-layer", type=_int(-_I32), default=None)
+    t.add_argument("--block-size", type=_int(-_I32), default=None)
     t.add_argument("--outtype", default=None, choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
-    t.add_argument("--seed", type=int, default=None)
-    t.add_argument("--draft-vocab", type=int, default=None,
+    t.add_argument("--seed", type=_int(-_I32), default=None)
+    t.add_argument("--draft-vocab", type=_int(-_I32), default=None,
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
-    t.add_argument("--tune-steps", type=int, default=None,
+    t.add_argument("--tune-steps", type=_int(-_I32), default=None,
                    help="DFlash2 steps continued in the draft vocabulary (default 10800; 0 = none)")
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
@@ -460,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "drafting on CPU; outputs stay exact)")
     r.add_argument("drafter", help="a drafter GGUF that borrows the target's head")
     r.add_argument("--target", required=True, help="the target GGUF (its head rows are copied)")
-    r.add_argument("--size", type=int, required=True, help="draft vocabulary size, e.g. 8192")
+    r.add_argument("--size", type=_int(1), required=True, help="draft vocabulary size, e.g. 8192")
     r.add_argument("--tokens", nargs="+", required=True,
                    help="what to count: text files (tokenized with the target) or .npy token-id arrays")
     r.add_argument("--out", required=True)
@@ -476,6 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the server's own parser takes every argument after `serve`
+        from .server import main as server_main
+
+        return server_main(argv[1:])
     a = build_parser().parse_args(argv)
     # Errors are reported by us, in one line; llama.cpp's log only on request.
     logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if a.verbose else logging.CRITICAL + 1)

@@ -47,8 +47,8 @@ class DrafterInfo:
 def check_file(path: str | os.PathLike, what: str) -> bytes:
     p = os.fspath(path)
     if not os.path.isfile(p):
-        raise FileNotFoundError(f"{what} file not found: {p}")
-    return p.encode()
+        raise FileNotFoundError(f"{what} file not found: {p!r}")
+    return os.fsencode(p)  # any path the OS takes (undecodable bytes included)
 
 
 class Drafter(_native.Resource):
