@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -21,33 +22,45 @@ def _want(server, p: str) -> dict:
     return server["plain"].create_completion(p, max_tokens=8, temperature=0.0, repeat_penalty=REPEAT)
 
 
-@pytest.fixture(scope="module")
-def server(artifacts):
-    import llama_cpp
+@contextlib.contextmanager
+def _serving(model_settings, **server_kw):
+    """An app on a free localhost port, uvicorn in a thread; yields its base URL."""
+    from llama_dflash.server import DFlashServerSettings, create_app
 
-    from llama_dflash.server import DFlashModelSettings, ServerSettings, create_app
-
-    a = artifacts["llama"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ms = DFlashModelSettings(model=a["target"], model_alias="tiny", draft_model_path=a["drafter"], n_ctx=512,
-                             n_threads=2, verbose=False)
-    app = create_app(server_settings=ServerSettings(host="127.0.0.1", port=port), model_settings=[ms])
+    app = create_app(server_settings=DFlashServerSettings(host="127.0.0.1", port=port, **server_kw),
+                     model_settings=model_settings)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(base + "/v1/models", timeout=1.0)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(base + "/v1/models", timeout=1.0)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield base
+    finally:
+        srv.should_exit = True
+        th.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(artifacts):
+    import llama_cpp
+
+    from llama_dflash.server import DFlashModelSettings
+
+    a = artifacts["llama"]
+    ms = DFlashModelSettings(model=a["target"], model_alias="tiny", draft_model_path=a["drafter"], n_ctx=512,
+                             n_threads=2, verbose=False)
     plain = llama_cpp.Llama(a["target"], n_ctx=512, n_threads=2, verbose=False)
-    yield {"base": base, "plain": plain}
-    srv.should_exit = True
-    th.join(timeout=10)
+    with _serving([ms]) as base:
+        yield {"base": base, "plain": plain}
     plain.close()
 
 
@@ -280,26 +293,11 @@ def test_fifty_disconnects_mid_stream_are_survived(server):
 def test_full_queue_is_503_and_timeout_ends_a_request(artifacts):
     """Past max_queue a request gets 503 (not a dropped connection); a generation past
     request_timeout ends as at its length limit."""
-    from llama_dflash.server import DFlashModelSettings, DFlashServerSettings, create_app
+    from llama_dflash.server import DFlashModelSettings
 
     a = artifacts["llama"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ms = DFlashModelSettings(model=a["target"], draft_model_path=a["drafter"], n_ctx=4096, n_threads=2, verbose=False)
-    app = create_app(server_settings=DFlashServerSettings(host="127.0.0.1", port=port, max_queue=2,
-                                                          request_timeout=0.5), model_settings=[ms])
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            try:
-                httpx.get(base + "/v1/models", timeout=1.0)
-                break
-            except httpx.TransportError:
-                time.sleep(0.05)
+    with _serving([ms], max_queue=2, request_timeout=0.5) as base:
         body = {"prompt": PROMPTS[0], "max_tokens": 0, "temperature": 0.0, "logit_bias": {"0": -1e9, "2": -1e9}}
 
         def post():
@@ -317,9 +315,6 @@ def test_full_queue_is_503_and_timeout_ends_a_request(artifacts):
                 assert c["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] < 4000
         m = httpx.get(base + "/metrics").text
         assert 'outcome="timed_out"} 0' not in m and 'outcome="rejected_busy"} 0' not in m
-    finally:
-        srv.should_exit = True
-        th.join(timeout=30)
 
 
 def test_client_disconnect_mid_stream_then_new_request(server):
