@@ -62,8 +62,8 @@ class EngineRequest:
 class Run:
     """One generation in progress: its steps, the logits behind its tokens, its stats."""
 
-    def __init__(self, core: EngineCore, tokens: list[int], req: EngineRequest, params, chain, kind: str) -> None:
-        self.core, self.tokens, self.req, self.params, self.chain, self.kind = core, tokens, req, params, chain, kind
+    def __init__(self, core: EngineCore, tokens: list[int], req: EngineRequest, params, kind: str) -> None:
+        self.core, self.tokens, self.req, self.params, self.kind = core, tokens, req, params, kind
         self.errors: list[BaseException] = []  # raised by Python callbacks inside the C loop
         self.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
 
@@ -134,7 +134,6 @@ class EngineCore(_native.Resource):
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None) -> None:
         self._drafter = self._capture = self._engine = None
-        self._chain_draft_cb = self._chain_step_cb = None
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {sorted(CAPTURE_MODES)}, got {capture!r}")
         self.n_ctx = n_ctx  # usable positions: min(this, the context's) once attached
@@ -153,7 +152,7 @@ class EngineCore(_native.Resource):
             self.drafter_info = self._drafter.info
             taps = list(self.drafter_info.target_layers)
         self.capture_mode = "none"
-        if taps:
+        if taps and self.unavailable is None:  # no capture or engine on a target that cannot speculate
             err = _native.err_buf()
             c = lib.dflash_capture_new(self._model_c, ffi.new("int32_t[]", taps), len(taps), n_batch,
                                        CAPTURE_MODES[capture], err, _native.ERR_LEN)
@@ -173,6 +172,8 @@ class EngineCore(_native.Resource):
 
     def attach(self, ctx) -> None:
         """Bind the capture and create the engine on the target context (``llama_context *``)."""
+        if self.unavailable is not None:
+            return
         err = _native.err_buf()
         ctx_c = _native.ptr("struct llama_context *", ctx)
         if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
@@ -182,10 +183,9 @@ class EngineCore(_native.Resource):
         if e == ffi.NULL:
             raise DFlashError(_native.err_str(err))
         self._engine = e
-        if self._drafter is not None:
-            self.n_ctx = min(self.n_ctx, int(llama_cpp.llama_n_ctx(ctx)))
-        else:
-            self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        # as the C engine counts it: what both the context and the drafter's cache hold
+        n = int(llama_cpp.llama_n_ctx(ctx))
+        self.n_ctx = min(self.n_ctx, n) if self._drafter is not None else n
 
     # -- info -------------------------------------------------------------------------------
 
@@ -230,7 +230,7 @@ class EngineCore(_native.Resource):
             **grammar_params(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         kind = "external" if draft_source else ("dflash" if self._drafter and req.draft_len > 0 else "none")
-        r = Run(self, toks, req, params, chain, kind)
+        r = Run(self, toks, req, params, kind)
         draft_cb = step_cb = ffi.NULL
         if draft_source is not None:
             def _draft(_ud, hist, n_hist, n, out):

@@ -12,13 +12,12 @@ import numpy as np
 from llama_cpp import _logger
 
 from . import _native
-from .core import CAPTURE_MODES, DraftSource, EngineCore, EngineRequest, StepCallback
+from .core import DraftSource, EngineCore, EngineRequest, StepCallback
 from .drafter import DFlashError, DrafterInfo, check_file
 from .sampling import SamplingParams
 from .stats import SpecStats
 
 __all__ = ["DraftSource", "GenerationResult", "SpeculativeGenerator", "StepCallback"]
-
 
 
 @dataclass
@@ -57,8 +56,6 @@ class SpeculativeGenerator(_native.Resource):
     ) -> None:
         self._model = self._ctx = self._core = None
         self.last_stats: SpecStats | None = None
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"capture must be one of {sorted(CAPTURE_MODES)}, got {capture!r}")
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
         self.n_threads = n_threads or _native.default_threads()

@@ -345,7 +345,7 @@ class _Job:
     def cancel(self) -> None:
         self.cancelled.set()
         llm = self.llm
-        if llm is not None and hasattr(llm, "stop_requested"):
+        if llm is not None:
             llm.stop_requested.set()
 
 
@@ -414,12 +414,10 @@ class Worker:
         timer = None
         try:
             llm = self.proxy(job.model)
-            stop = getattr(llm, "stop_requested", None)
-            if stop is not None:
-                stop.clear()
-                timer = threading.Timer(self.timeout_s, self._timeout, (job, stop))
-                timer.daemon = True
-                timer.start()
+            llm.stop_requested.clear()
+            timer = threading.Timer(self.timeout_s, self._timeout, (job, llm.stop_requested))
+            timer.daemon = True
+            timer.start()
             job.llm = llm
             out = job.run(llm)
             if job.stream:
@@ -589,21 +587,30 @@ def create_app(server_settings: ServerSettings | None = None, model_settings: li
         ping = 10**9 if ss.disable_ping_events else 15
         return EventSourceResponse(events(), sep="\n", ping=ping)
 
-    async def handle(request: Request, kind: type, call: Callable[[Llama, dict], object], exclude: set[str]):
+    async def serve(request: Request, kind: type, call: Callable[[Llama, object], object],
+                    exclude: set[str] | None = None):
+        """Parse and check the body, then queue ``call(llm, body)``; a completion route (``exclude``:
+        the fields llama-cpp-python's routes drop) gets ``call(llm, kwargs)`` after the checks that
+        need the model, and may stream."""
         try:
             body = await read(request, kind)
         except RequestError as e:
             worker.count("client_error")
             return e.response()
-        kwargs = body.model_dump(exclude=exclude)
+        if exclude is None:
+            def run(llm: Llama):
+                return call(llm, body)
+            stream = False
+        else:
+            kwargs = body.model_dump(exclude=exclude)
 
-        def run(llm: Llama):
-            _prepare(llm, body, kwargs)
-            return call(llm, kwargs)
-
+            def run(llm: Llama):
+                _prepare(llm, body, kwargs)
+                return call(llm, kwargs)
+            stream = bool(kwargs.get("stream"))
         try:
-            return await submit(request, body.model, run, bool(kwargs.get("stream")))
-        except RequestError as e:
+            return await submit(request, body.model, run, stream)
+        except RequestError as e:  # the queue is full (counted by the worker)
             return e.response()
 
     completion_exclude = {"n", "best_of", "logit_bias_type", "user", "min_tokens"}
@@ -611,35 +618,27 @@ def create_app(server_settings: ServerSettings | None = None, model_settings: li
     @app.post("/v1/completions")
     @app.post("/v1/engines/copilot-codex/completions", include_in_schema=False)
     async def create_completion(request: Request):
-        return await handle(request, CreateCompletionRequest, lambda llm, kw: llm(**kw), completion_exclude)
+        return await serve(request, CreateCompletionRequest, lambda llm, kw: llm(**kw), completion_exclude)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        return await handle(request, CreateChatCompletionRequest,
-                            lambda llm, kw: llm.create_chat_completion(**kw), completion_exclude - {"best_of"})
-
-    async def simple(request: Request, kind: type, call: Callable[[Llama, object], object]):
-        try:
-            body = await read(request, kind)
-            return await submit(request, body.model, lambda llm: call(llm, body), False)
-        except RequestError as e:
-            worker.count("client_error")
-            return e.response()
+        return await serve(request, CreateChatCompletionRequest,
+                           lambda llm, kw: llm.create_chat_completion(**kw), completion_exclude - {"best_of"})
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: Request):
-        return await simple(request, CreateEmbeddingRequest,
-                            lambda llm, b: llm.create_embedding(**b.model_dump(exclude={"user"})))
+        return await serve(request, CreateEmbeddingRequest,
+                           lambda llm, b: llm.create_embedding(**b.model_dump(exclude={"user"})))
 
     @app.post("/extras/tokenize")
     async def tokenize(request: Request):
-        return await simple(request, TokenizeInputRequest,
-                            lambda llm, b: {"tokens": llm.tokenize(b.input.encode("utf-8"), special=True)})
+        return await serve(request, TokenizeInputRequest,
+                           lambda llm, b: {"tokens": llm.tokenize(b.input.encode("utf-8"), special=True)})
 
     @app.post("/extras/tokenize/count")
     async def count_tokens(request: Request):
-        return await simple(request, TokenizeInputRequest,
-                            lambda llm, b: {"count": len(llm.tokenize(b.input.encode("utf-8"), special=True))})
+        return await serve(request, TokenizeInputRequest,
+                           lambda llm, b: {"count": len(llm.tokenize(b.input.encode("utf-8"), special=True))})
 
     def _detokenize(llm: Llama, b) -> dict:
         bad = [t for t in b.tokens if not 0 <= t < llm.n_vocab()]
@@ -650,7 +649,7 @@ def create_app(server_settings: ServerSettings | None = None, model_settings: li
 
     @app.post("/extras/detokenize")
     async def detokenize(request: Request):
-        return await simple(request, DetokenizeInputRequest, _detokenize)
+        return await serve(request, DetokenizeInputRequest, _detokenize)
 
     @app.get("/v1/models")
     async def get_models():
