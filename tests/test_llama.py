@@ -364,3 +364,24 @@ def test_sampler_settings_equal_plain(pair, kw):
                 break
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+def test_vocab_only_and_mismatched_drafters(artifacts):
+    """vocab_only=True with a drafter tokenizes as llama_cpp.Llama does (no drafter is loaded); a
+    file that is no drafter is a clear DFlashError from the constructor, and a missing one a
+    FileNotFoundError before the model loads."""
+    from llama_dflash.drafter import DFlashError
+
+    a = artifacts["llama"]
+    llm = llama_dflash.Llama(a["target"], vocab_only=True, draft_model_path=a["drafter"], verbose=False)
+    ref = llama_cpp.Llama(a["target"], vocab_only=True, verbose=False)
+    try:
+        assert llm.tokenize(b"Hello world") == ref.tokenize(b"Hello world")
+        assert llm._core is None and "vocab-only" in llm._unavailable
+    finally:
+        llm.close()
+        ref.close()
+    with pytest.raises(DFlashError, match="not a DFlash drafter"):
+        llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["target"])
+    with pytest.raises(FileNotFoundError, match="drafter file not found"):
+        llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["target"] + ".missing")
