@@ -45,7 +45,7 @@ def make_target(path: Path) -> None:
 
 def make_checkpoint(d: Path) -> tuple[int, int]:
     """Shards written tensor by tensor (bf16), so this script itself stays small too."""
-    from llama_dflash.convert.safetensors_io import write_safetensors
+    from llama_dflash.formats.safetensors import write_safetensors
 
     d.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["DFlashDraftModel"], "hidden_size": H, "num_hidden_layers": L,
@@ -80,7 +80,7 @@ def make_checkpoint(d: Path) -> tuple[int, int]:
 
 CONVERT = r"""
 import json, sys, time
-from llama_dflash.convert import convert_hf_to_gguf
+from llama_dflash.formats import convert_hf_to_gguf
 t0 = time.time()
 res = convert_hf_to_gguf(sys.argv[1], sys.argv[2], sys.argv[3], outtype="f16")
 res["seconds"] = time.time() - t0

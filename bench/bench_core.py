@@ -29,11 +29,11 @@ import numpy as np
 from llama_cpp import _logger
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import DrafterConfig, random_drafter_tensors, write_drafter
-from llama_dflash.models import default_target
-from llama_dflash.oracle import ReplayDraftSource
-from llama_dflash.upstream import UpstreamDrafter
+from llama_dflash.api.models import default_target
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
+from llama_dflash.verify.oracle import ReplayDraftSource
+from llama_dflash.verify.upstream import UpstreamDrafter
 
 PROMPT = ("<|im_start|>user\nExplain how a hash map works and write a small Python implementation."
           "<|im_end|>\n<|im_start|>assistant\n")
@@ -43,7 +43,7 @@ TAPS = [1, 8, 14, 20, 27]
 def drafter_gguf(target: Path, n_layer: int, out_dir: Path, v2: bool = False) -> Path:
     """Random drafter of SmolLM2's shape; v2 adds DFlash2 convs + selector to the same backbone."""
     cfg = DrafterConfig(n_embd=576, n_layer=n_layer, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
-                        target_layer_ids=TAPS, block_size=16, mask_token_id=16, rope_theta=100000.0,
+                        target_layers=TAPS, block_size=16, mask_token_id=16, rope_theta=100000.0,
                         rms_eps=1e-5)
     if v2:
         cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k = 2, 16, 256, 16
@@ -145,7 +145,7 @@ def dflash2_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
 def reduced_vocab_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
     """DFlash2 (2 layers) with the target's whole 49152-token head vs reduced draft vocabularies
     (d2t + own head rows, copied from the target's head), ours vs upstream on the same files."""
-    from llama_dflash.vocab import reduce_vocab
+    from llama_dflash.formats.vocab import reduce_vocab
 
     model = llama_cpp.llama_model_load_from_file(str(target).encode(), llama_cpp.llama_model_default_params())
     rng = np.random.default_rng(2)

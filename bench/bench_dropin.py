@@ -33,10 +33,10 @@ import llama_cpp
 from llama_cpp import _logger
 
 import llama_dflash
-from llama_dflash import completion
-from llama_dflash.certify import certify
-from llama_dflash.llama import openai_response_format
-from llama_dflash.models import default_target, shipped_drafter
+from llama_dflash.api import completion
+from llama_dflash.api.llama import openai_response_format
+from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.verify.certify import certify
 
 _logger.set_verbose(False)
 
@@ -129,7 +129,7 @@ def logprobs(target: str, drafter: str, n: int = 48) -> list[dict]:
     same tokens in one batch instead of one per llama_decode."""
     import numpy as np
 
-    from llama_dflash.prompts import chatml, humaneval_prompts
+    from llama_dflash.train.prompts import chatml, humaneval_prompts
 
     base = llama_cpp.Llama(target, n_ctx=1024, logits_all=True, verbose=False)
     spec = llama_dflash.Llama(target, n_ctx=1024, verbose=False, draft_model_path=drafter, draft_n_max=3)

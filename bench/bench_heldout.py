@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llama_dflash.gguf_io import read_tensors
-from llama_dflash.reference import DFlashReference
-from llama_dflash.train import evaluate_source
-from llama_dflash.train_data import Dataset
-from llama_dflash.train_run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights
+from llama_dflash.formats.gguf import read_tensors
+from llama_dflash.train.data import Dataset
+from llama_dflash.train.loop import evaluate_source
+from llama_dflash.train.run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights
+from llama_dflash.verify.reference import DFlashReference
 
 
 def final_drafter(run: Path) -> tuple[DFlashReference, str, RunSpec, dict]:

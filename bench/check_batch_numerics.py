@@ -16,8 +16,8 @@ import llama_cpp
 import numpy as np
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.models import default_target, shipped_drafter
-from llama_dflash.prompts import chatml, humaneval_prompts
+from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.train.prompts import chatml, humaneval_prompts
 
 
 def main() -> None:

@@ -38,41 +38,48 @@ enum dflash_capture_mode {
     DFLASH_CAPTURE_CB_EVAL   = 2  /* cb_eval callback on l_out-N tensors */
 };
 
+/* A drafter's hyper-parameters.  The fields read from the file are named as in the
+ * format table (dflash_format.h) and in the Python DrafterConfig. */
 struct dflash_drafter_info {
-    int32_t version;          /* 1 = DFlash, 2 = DFlash2 */
+    int32_t version;          /* 1 = DFlash, 2 = DFlash2 (has selector_hidden.weight) */
     int32_t n_layer;
     int32_t n_embd;
+    int32_t n_ff;
     int32_t n_head;
     int32_t n_head_kv;
     int32_t head_dim;
-    int32_t n_ff;
+    int32_t n_ctx_train;      /* dflash.context_length */
     int32_t block_size;
-    int32_t n_taps;
+    int32_t n_taps;           /* entries of target_layers */
     int32_t target_layers[64]; /* HF ids (output of target layer id), concat order */
     int32_t mask_token_id;
-    int32_t n_vocab;          /* the target's vocabulary */
-    int32_t n_vocab_draft;    /* tokens the drafter can propose: n_vocab, or the size of its
-                                 reduced vocabulary (`d2t` map + own `output.weight`) */
+    float   rms_eps;
+    float   rope_theta;
+    int32_t n_rope_sections;
+    int32_t rope_sections[8]; /* M-RoPE drafts: [head_dim/2, 0, 0, 0] */
+    int32_t rope_scaling;     /* 0 none, 1 linear, 2 yarn */
+    float   rope_factor;
+    int32_t rope_orig_ctx;    /* YaRN: the original context length */
+    float   yarn_ext_factor;
+    float   yarn_attn_factor;
+    float   yarn_beta_fast;
+    float   yarn_beta_slow;
     int32_t causal;           /* block attention causal */
     int32_t n_swa;            /* sliding window (0 = none) */
-    uint32_t swa_layers;      /* bit i set: layer i uses the window */
-    float   rope_theta;
-    float   rope_freq_scale;  /* 1 / rope scaling factor (linear or YaRN) */
-    float   rope_ext_factor;  /* YaRN extrapolation mix (0 = none) */
-    float   rope_attn_factor;
-    float   rope_beta_fast;
-    float   rope_beta_slow;
-    int32_t rope_n_ctx_orig;  /* YaRN: the original context length */
-    float   rms_eps;
+    int32_t swa_layers[64];   /* 1: layer i uses the window (all layers when the file gives no pattern) */
     float   embedding_scale;
     float   logit_scale;
     float   softcap;
-    int32_t n_ctx;            /* capacity of the context cache, in positions */
     /* DFlash2 (zero for DFlash v1) */
     int32_t conv_kernel_size;
     int32_t conv_group_size;
     int32_t selector_rank;
     int32_t selector_top_k;
+    /* from the target (dflash_drafter_check: from the file's tokenizer) and the load call */
+    int32_t n_vocab;          /* the target's vocabulary */
+    int32_t n_vocab_draft;    /* tokens the drafter can propose: n_vocab, or the size of its
+                                 reduced vocabulary (`d2t` map + own `output.weight`) */
+    int32_t n_ctx;            /* capacity of the context cache, in positions */
 };
 
 /* ---- drafter --------------------------------------------------------- */
@@ -84,6 +91,10 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
                                      int32_t n_ctx, int32_t n_threads,
                                      char * err, size_t err_len);
 void dflash_drafter_free(dflash_drafter * d);
+/* Read and validate a drafter file without a target: every key, tensor name, shape
+ * and type the loader checks (n_vocab taken from the file's tokenizer.ggml.tokens).
+ * out (optional) receives its hyper-parameters.  Returns 0, or -1 with the reason. */
+int32_t dflash_drafter_check(const char * path, struct dflash_drafter_info * out, char * err, size_t err_len);
 void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out);
 
 /* Bytes the drafter allocated itself (the borrowed embedding/head excluded). */

@@ -42,7 +42,7 @@ def artifacts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def v2_drafter(artifacts, tmp_path_factory):
     """A DFlash2 drafter for the llama target, converted (f32) from the synthetic HF checkpoint."""
-    from llama_dflash.convert import convert_hf_to_gguf
+    from llama_dflash.formats import convert_hf_to_gguf
 
     from hf_fixtures import make_variant
 

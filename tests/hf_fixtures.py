@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llama_dflash.convert.safetensors_io import write_safetensors
+from llama_dflash.formats.safetensors import write_safetensors
 
 H, L, NQ, NKV, D, FF = 64, 2, 4, 2, 16, 96
 K_CONV, GROUP, RANK, TOPK = 2, 16, 8, 4

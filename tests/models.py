@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from llama_dflash.gguf_io import DrafterConfig, random_drafter_tensors, write_drafter
+from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
 
 VOCAB = 1024
 MASK_ID = 16  # '<empty_output>': an unused special token of SmolLM2
@@ -137,7 +137,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
 
 def drafter_config(target: TargetSpec, **kw) -> DrafterConfig:
     base = dict(n_embd=target.n_embd, n_layer=2, n_head=4, n_head_kv=2, head_dim=16, n_ff=96,
-                target_layer_ids=[0, 2, 4], block_size=16, mask_token_id=MASK_ID, rope_theta=10000.0,
+                target_layers=[0, 2, 4], block_size=16, mask_token_id=MASK_ID, rope_theta=10000.0,
                 rms_eps=1e-6)
     base.update(kw)
     return DrafterConfig(**base)

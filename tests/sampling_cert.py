@@ -17,7 +17,7 @@ import ctypes
 import llama_cpp
 import numpy as np
 
-from llama_dflash.sampling import SamplingParams, build_chain
+from llama_dflash.core.sampling import SamplingParams, build_chain
 
 
 def dist_uniforms(seed: int, n: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""llama_dflash.certify: a greedy divergence is certified as llama.cpp batch numerics only when
+"""llama_dflash.verify.certify: a greedy divergence is certified as llama.cpp batch numerics only when
 plain llama-cpp-python, evaluating the speculative run's own batches, picks the speculative token."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.certify import certify, gap_in_batches
+from llama_dflash.verify.certify import certify, gap_in_batches
 
 PROMPT = "# TODO: fix the"  # diverges at a 0.0004 margin on the tiny llama target (tests/test_engine.py)
 

@@ -10,7 +10,7 @@ import pytest
 
 
 def run(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -108,7 +108,7 @@ def test_demo_runs(tmp_path):
     import os
 
     env = dict(os.environ, LLAMA_DFLASH_CACHE=os.environ.get("LLAMA_DFLASH_CACHE", str(tmp_path)))
-    r = subprocess.run([sys.executable, "-m", "llama_dflash.cli", "demo", "--max-tokens", "12", "--json"],
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "demo", "--max-tokens", "12", "--json"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -121,7 +121,7 @@ def test_chat_streams_two_turns_with_stats(artifacts):
     """`llama-dflash chat` over a pipe: each turn streams a reply, then tau and tok/s on stderr;
     the second turn sees the first (the history is kept)."""
     a = artifacts["llama"]
-    r = subprocess.run([sys.executable, "-m", "llama_dflash.cli", "chat", "--model", a["target"], "--drafter",
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "chat", "--model", a["target"], "--drafter",
                         a["drafter"], "--max-tokens", "8"], input="hello there\nand again\n/exit\nignored\n",
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The completion loop (llama_dflash.completion) against llama_cpp.Llama's own, chunk for chunk.
+"""The completion loop (llama_dflash.api.completion) against llama_cpp.Llama's own, chunk for chunk.
 
 A scripted logits processor makes both models write the same known text (multi-byte
 characters split over byte tokens, stop-string candidates), and a replay draft source feeds
@@ -172,7 +172,7 @@ def test_logit_bias_and_processors_stay_speculative(models):
 
 def test_cached_pieces_equal_detokenize(models):
     """The incremental text is llama-cpp-python's detokenize (BOS leading-space rule included)."""
-    from llama_dflash.completion import _Pieces
+    from llama_dflash.api.completion import _Pieces
 
     _, spec, script, _ = models
     pieces = _Pieces(spec)

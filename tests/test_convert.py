@@ -11,39 +11,41 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from llama_dflash.convert import ConvertError, convert_hf_to_gguf, default_target_layer_ids
-from llama_dflash.convert.safetensors_io import open_checkpoint
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import DrafterConfig, read_drafter_config, read_tensors
-from llama_dflash.reference import DFlashReference, hf_to_reference
-from llama_dflash.upstream import UpstreamDrafter
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats import ConvertError, convert_hf_to_gguf, default_target_layer_ids
+from llama_dflash.formats.gguf import DrafterConfig, read_drafter_config, read_tensors
+from llama_dflash.formats.safetensors import open_checkpoint
+from llama_dflash.verify.reference import DFlashReference, hf_to_reference
+from llama_dflash.verify.upstream import UpstreamDrafter
 
 from hf_fixtures import VARIANTS, draft_ids, hf_tensors, make_variant, write_checkpoint
-from models import MASK_ID
+from models import MASK_ID, VOCAB
 
 # What each variant's config must turn into (checked field by field, then used by the reference).
 EXPECTED = {
-    "v1_toplevel": dict(block_size=16, target_layer_ids=[0, 2, 4], rope_theta=10000.0),
-    "v1_nested_swa": dict(block_size=8, target_layer_ids=[1, 3], rope_theta=5000.0, sliding_window=9,
+    "v1_toplevel": dict(block_size=16, target_layers=[0, 2, 4], rope_theta=10000.0),
+    "v1_nested_swa": dict(block_size=8, target_layers=[1, 3], rope_theta=5000.0, n_swa=9,
                           swa_layers=[True, False]),
-    "v1_encoder_names": dict(block_size=16, target_layer_ids=[0, 1, 2, 3]),
-    "v1_default_taps": dict(block_size=16, target_layer_ids=[1, 3]),
-    "v1_transforms": dict(block_size=16, target_layer_ids=[0, 4], logit_scale=0.5, softcap=4.0, embedding_scale=1.5,
-                          causal=True, sliding_window=12, swa_layers=[True, True]),
-    "v1_sharded_bf16": dict(block_size=16, target_layer_ids=[0, 2]),
-    "v1_yarn": dict(block_size=16, target_layer_ids=[0, 2], rope_scaling="yarn", rope_factor=4.0, rope_orig_ctx=64),
-    "v2": dict(block_size=8, target_layer_ids=[0, 2, 4], conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+    "v1_encoder_names": dict(block_size=16, target_layers=[0, 1, 2, 3]),
+    "v1_default_taps": dict(block_size=16, target_layers=[1, 3]),
+    "v1_transforms": dict(block_size=16, target_layers=[0, 4], logit_scale=0.5, softcap=4.0, embedding_scale=1.5,
+                          causal=True, n_swa=12, swa_layers=[True, True]),
+    "v1_sharded_bf16": dict(block_size=16, target_layers=[0, 2]),
+    "v1_yarn": dict(block_size=16, target_layers=[0, 2], rope_scaling="yarn", rope_factor=4.0, rope_orig_ctx=64),
+    "v2": dict(block_size=8, target_layers=[0, 2, 4], conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                selector_top_k=4),
-    "v1_reduced_vocab": dict(block_size=16, target_layer_ids=[0, 2]),
-    "v2_reduced_vocab": dict(block_size=8, target_layer_ids=[0, 2], conv_kernel_size=2, conv_group_size=16,
+    "v1_reduced_vocab": dict(block_size=16, target_layers=[0, 2]),
+    "v2_reduced_vocab": dict(block_size=8, target_layers=[0, 2], conv_kernel_size=2, conv_group_size=16,
                              selector_rank=8, selector_top_k=4),
 }
 
 
 def expected_config(name: str) -> DrafterConfig:
     base = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, mask_token_id=MASK_ID,
-                rms_eps=1e-6, context_length=4096, target_layer_ids=[], block_size=16)
+                rms_eps=1e-6, n_ctx_train=4096, target_layers=[], block_size=16)
     base.update(EXPECTED[name])
+    # the vocabulary as the loader reads it: the target's (1024 tokens), reduced by a d2t map
+    base.update(n_vocab=VOCAB, n_vocab_draft=VARIANTS[name][1].get("draft_vocab") or VOCAB)
     c = DrafterConfig(**base)
     for f in ("rms_eps", "rope_theta", "logit_scale", "softcap", "embedding_scale"):  # GGUF stores f32
         setattr(c, f, float(np.float32(getattr(c, f))))
@@ -94,7 +96,7 @@ def test_convert_variant(artifacts, load_model, tmp_path, name):
     model = load_model(a["target"])
     # upstream's libllama loads and drafts every converted variant
     up = UpstreamDrafter(str(out), model, n_ctx=256)
-    feats = np.random.default_rng(3).standard_normal((40, 64 * len(exp.target_layer_ids))).astype(np.float32)
+    feats = np.random.default_rng(3).standard_normal((40, 64 * len(exp.target_layers))).astype(np.float32)
     up.push(feats)
     up.draft(123, MASK_ID, 7, return_logits=False)
     n_draft = VARIANTS[name][1].get("draft_vocab")
@@ -231,7 +233,7 @@ def test_file_errors(artifacts, tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "llama_dflash.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", *args], capture_output=True, text=True,
                           timeout=600)
 
 
@@ -258,7 +260,8 @@ def test_cli_convert_and_inspect(artifacts, tmp_path):
 
     wide = write_target(str(tmp_path / "wide.gguf"), TargetSpec(n_embd=96, n_head=4, n_head_kv=2))
     r = run_cli("inspect", str(out1), "--target", wide)
-    assert r.returncode == 0 and "does not fit" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
+    # a drafter that does not fit the target is a failed check: exit status 1
+    assert r.returncode == 1 and "does not fit" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
     # user errors: one line, non-zero
     r = run_cli("convert", str(tmp_path / "nope"), "--target", a["target"], "--outfile", str(out))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no config.json" in r.stderr

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.convert import convert_hf_to_gguf
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import read_tensors
-from llama_dflash.reference import DFlashReference
-from llama_dflash.upstream import UpstreamDrafter
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats import convert_hf_to_gguf
+from llama_dflash.formats.gguf import read_tensors
+from llama_dflash.verify.reference import DFlashReference
+from llama_dflash.verify.upstream import UpstreamDrafter
 
 from hf_fixtures import GROUP, TOPK, VARIANTS, hf_tensors, write_checkpoint
 from models import MASK_ID, compare_lattice, growing_context, reference_draft
@@ -145,7 +145,7 @@ def test_greedy_identity_with_dflash2(artifacts, v2_drafter):
 
 def test_dflash2_errors(artifacts, v2_drafter, tmp_path):
     from llama_dflash import DFlashError
-    from llama_dflash.gguf_io import read_drafter_config, write_drafter
+    from llama_dflash.formats.gguf import read_drafter_config, write_drafter
 
     a = artifacts["llama"]
     cfg = read_drafter_config(v2_drafter)
@@ -194,7 +194,7 @@ def test_batched_blocks_equal_each_alone(artifacts, load_model, v2_drafter, tmp_
     a = artifacts["llama"]
     path = {"v1": a["drafter"], "v2": v2_drafter}.get(which)
     if path is None:
-        cfg = drafter_config(a["spec"], causal=True, sliding_window=9, swa_layers=[True, False])
+        cfg = drafter_config(a["spec"], causal=True, n_swa=9, swa_layers=[True, False])
         path = write_random_drafter(str(tmp_path / "cs.gguf"), a["target"], cfg, seed=9)
     model = load_model(a["target"])
     d = Drafter(path, model, n_ctx=256, n_threads=2)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import read_tensors
-from llama_dflash.reference import DFlashReference
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats.gguf import read_tensors
+from llama_dflash.verify.reference import DFlashReference
 
 from models import MASK_ID, drafter_config, growing_context, write_random_drafter
 
@@ -71,7 +71,7 @@ def test_graph_matches_reference(artifacts, load_model, name):
 
 @pytest.mark.parametrize("variant", [
     {"causal": True},
-    {"sliding_window": 8, "swa_layers": [True, False]},
+    {"n_swa": 8, "swa_layers": [True, False]},
     {"logit_scale": 0.5, "softcap": 3.0, "embedding_scale": 1.7},
     {"rope_scaling": "linear", "rope_factor": 2.0},
     {"rope_scaling": "yarn", "rope_factor": 4.0, "rope_orig_ctx": 32},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.oracle import ReplayDraftSource
+from llama_dflash.verify.oracle import ReplayDraftSource
 
 PROMPTS = [
     "def fibonacci(n):\n    return", "The capital of France is", "Once upon a time, there was",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llama_dflash import DFlashError, SpeculativeGenerator
-from llama_dflash.gguf_io import random_drafter_tensors, write_drafter
+from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
 
 from models import TargetSpec, drafter_config, write_random_drafter, write_target
 
@@ -82,7 +82,7 @@ def test_drafter_target_mismatch(llama, tmp_path):
         SpeculativeGenerator(wide, llama["drafter"])
     # tap beyond the target's layers
     p = write_random_drafter(str(tmp_path / "taps.gguf"), llama["target"],
-                             drafter_config(spec, target_layer_ids=[0, 2, 9]))
+                             drafter_config(spec, target_layers=[0, 2, 9]))
     with pytest.raises(DFlashError, match="taps target layer 9 but the target has 6 layers"):
         SpeculativeGenerator(llama["target"], p)
     # mask token outside the vocabulary

@@ -370,7 +370,7 @@ def test_vocab_only_and_mismatched_drafters(artifacts):
     """vocab_only=True with a drafter tokenizes as llama_cpp.Llama does (no drafter is loaded); a
     file that is no drafter is a clear DFlashError from the constructor, and a missing one a
     FileNotFoundError before the model loads."""
-    from llama_dflash.drafter import DFlashError
+    from llama_dflash import DFlashError
 
     a = artifacts["llama"]
     llm = llama_dflash.Llama(a["target"], vocab_only=True, draft_model_path=a["drafter"], verbose=False)

@@ -10,9 +10,9 @@ SCRIPT = r"""
 import json, sys
 import llama_cpp
 import numpy as np
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import DrafterConfig, random_drafter_tensors, write_drafter
-from llama_dflash.models import default_target
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
+from llama_dflash.api.models import default_target
 
 def pss():
     for line in open("/proc/self/smaps_rollup"):
@@ -21,7 +21,7 @@ def pss():
 
 target = default_target("q8_0")
 cfg = DrafterConfig(n_embd=576, n_layer=2, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
-                    target_layer_ids=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16, rope_theta=1e5)
+                    target_layers=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16, rope_theta=1e5)
 path = sys.argv[1]
 write_drafter(path, cfg, random_drafter_tensors(cfg), target, outtype="f16")
 model = llama_cpp.llama_model_load_from_file(str(target).encode(), llama_cpp.llama_model_default_params())

@@ -25,7 +25,7 @@ def _want(server, p: str) -> dict:
 @contextlib.contextmanager
 def _serving(model_settings, **server_kw):
     """An app on a free localhost port, uvicorn in a thread; yields its base URL."""
-    from llama_dflash.server import DFlashServerSettings, create_app
+    from llama_dflash.api.server import DFlashServerSettings, create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +53,7 @@ def _serving(model_settings, **server_kw):
 def server(artifacts):
     import llama_cpp
 
-    from llama_dflash.server import DFlashModelSettings
+    from llama_dflash.api.server import DFlashModelSettings
 
     a = artifacts["llama"]
     ms = DFlashModelSettings(model=a["target"], model_alias="tiny", draft_model_path=a["drafter"], n_ctx=512,
@@ -87,7 +87,7 @@ def _stream(base: str, path: str, body: dict, hang_up_after: int | None = None) 
     return "".join(text), n
 
 
-@pytest.mark.parametrize("how", [["-m", "llama_dflash.server"], ["-m", "llama_dflash.cli", "serve"]])
+@pytest.mark.parametrize("how", [["-m", "llama_dflash.api.server"], ["-m", "llama_dflash.api.cli", "serve"]])
 def test_server_errors_are_one_line(tmp_path, how):
     import subprocess
     import sys
@@ -109,7 +109,7 @@ def test_serve_command_starts_as_documented(artifacts, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "log", "wb")  # noqa: SIM115 - closed after the server exits
-    p = subprocess.Popen([sys.executable, "-m", "llama_dflash.cli", "serve", "--model", a["target"],
+    p = subprocess.Popen([sys.executable, "-m", "llama_dflash.api.cli", "serve", "--model", a["target"],
                           "--draft_model_path", a["drafter"], "--n_ctx", "256", "--port", str(port),
                           "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -293,7 +293,7 @@ def test_fifty_disconnects_mid_stream_are_survived(server):
 def test_full_queue_is_503_and_timeout_ends_a_request(artifacts):
     """Past max_queue a request gets 503 (not a dropped connection); a generation past
     request_timeout ends as at its length limit."""
-    from llama_dflash.server import DFlashModelSettings
+    from llama_dflash.api.server import DFlashModelSettings
 
     a = artifacts["llama"]
     ms = DFlashModelSettings(model=a["target"], draft_model_path=a["drafter"], n_ctx=4096, n_threads=2, verbose=False)

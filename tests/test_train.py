@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash import train as T
-from llama_dflash.gguf_io import read_tensors
-from llama_dflash.reference import DFlashReference
+from llama_dflash.train import loop as T
+from llama_dflash.formats.gguf import read_tensors
+from llama_dflash.verify.reference import DFlashReference
 
 from models import drafter_config
 
@@ -27,7 +27,7 @@ def memorised(artifacts, tmp_path_factory):
     """A v1 drafter trained to memorise the target's continuation of PROMPT, and its GGUF."""
     a = artifacts["llama"]
     cfg = drafter_config(a["spec"], block_size=8, n_ff=128)
-    with SpeculativeGenerator(a["target"], n_ctx=256, capture_layers=cfg.target_layer_ids) as g:
+    with SpeculativeGenerator(a["target"], n_ctx=256, capture_layers=cfg.target_layers) as g:
         samples = T.generate_samples(g, [PROMPT], 48)
     embed = torch.from_numpy(read_tensors(a["target"], ["token_embd.weight"])["token_embd.weight"].copy())
     torch.manual_seed(0)
@@ -70,11 +70,11 @@ def test_rejection_accepts_more_than_match_at_t1(tmp_path, capsys):
 
     spec = replace(TargetSpec(tied=False, seed=7), layer_scale=0.05)
     target = write_target(str(tmp_path / "bigram.gguf"), spec)
-    cfg = drafter_config(spec, block_size=4, n_ff=128, target_layer_ids=[0, 2])
+    cfg = drafter_config(spec, block_size=4, n_ff=128, target_layers=[0, 2])
     t1 = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     rng = np.random.default_rng(0)
     samples = []
-    with SpeculativeGenerator(target, n_ctx=256, capture_layers=cfg.target_layer_ids) as g:
+    with SpeculativeGenerator(target, n_ctx=256, capture_layers=cfg.target_layers) as g:
         for i in range(150):
             toks = [int(x) for x in rng.integers(20, 1000, size=4)]
             seq = toks + g.generate(toks, 48, stop_on_eos=False, sampling=SamplingParams(seed=1000 + i, **t1)).tokens
@@ -108,8 +108,8 @@ def test_dflash2_stage_trains_the_selector_and_exports_through_the_converter(art
     selector; its HF export goes through our converter and the C graph drafts what it learned."""
     from dataclasses import replace
 
-    from llama_dflash.convert import convert_hf_to_gguf
-    from llama_dflash.train_run import _init_v2_from_v1, export_hf
+    from llama_dflash.formats import convert_hf_to_gguf
+    from llama_dflash.train.run import _init_v2_from_v1, export_hf
 
     a = artifacts["llama"]
     cfg = replace(memorised["cfg"], conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=4,

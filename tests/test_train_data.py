@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.train_data import Dataset, DataSpec, build_features
+from llama_dflash.train.data import Dataset, DataSpec, build_features
 
 
 def _responses(path, recs):
@@ -125,8 +125,8 @@ def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_pa
     """Sampled responses per prompt (`samples`, `sampled_every`) grow a data set without redoing it:
     each (prompt, temperature, sample) is generated once; sample 0 keeps the seed it had before
     samples existed, so older files (no "sample" field) count as sample 0."""
-    from llama_dflash.prompts import training_prompts
-    from llama_dflash.train_data import generate_responses
+    from llama_dflash.train.data import generate_responses
+    from llama_dflash.train.prompts import training_prompts
 
     d = tmp_path / "d"
     prompts = training_prompts(limit=4)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash import train as T
-from llama_dflash.batchgen import BatchGenerator, Job
-from llama_dflash.cli import main
-from llama_dflash.convert.safetensors_io import read_header
-from llama_dflash.prompts import (
+from llama_dflash.train import loop as T
+from llama_dflash.api.cli import main
+from llama_dflash.core.batchgen import BatchGenerator, Job
+from llama_dflash.formats.safetensors import read_header
+from llama_dflash.train.data import Dataset
+from llama_dflash.train.prompts import (
     _held_out_markers,
     chatml,
     humaneval_problems,
@@ -24,8 +25,7 @@ from llama_dflash.prompts import (
     overlaps_humaneval,
     training_prompts,
 )
-from llama_dflash.reference import DFlashReference
-from llama_dflash.train_data import Dataset
+from llama_dflash.verify.reference import DFlashReference
 
 from models import drafter_config
 
@@ -152,7 +152,7 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
 
 def test_bad_settings_are_refused_before_any_data(artifacts, tmp_path, capsys):
     """What conversion or loading would refuse at the end is refused at the start (no run directory)."""
-    from llama_dflash.train_run import RunSpec, run
+    from llama_dflash.train.run import RunSpec, run
 
     target = artifacts["llama"]["target"]  # 6 layers, hidden 64, vocabulary 1024
     out = tmp_path / "r"

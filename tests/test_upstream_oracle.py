@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_dflash.drafter import Drafter
-from llama_dflash.upstream import UpstreamDrafter
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.verify.upstream import UpstreamDrafter
 
 from models import MASK_ID, growing_context
 
@@ -49,7 +49,7 @@ def test_yarn_same_as_upstream(artifacts, load_model, tmp_path):
     path = write_random_drafter(str(tmp_path / "yarn.gguf"), a["target"], cfg, seed=12)
     model = load_model(a["target"])
     ours = Drafter(path, model, n_ctx=256, n_threads=2)
-    assert ours.info.rope_ext_factor == 1.0 and abs(ours.info.rope_freq_scale - 0.25) < 1e-7
+    assert ours.info.rope_scaling == "yarn" and ours.info.yarn_ext_factor == 1.0 and abs(1 / ours.info.rope_factor - 0.25) < 1e-7
     up = UpstreamDrafter(path, model, n_ctx=256)
     feats = np.random.default_rng(13).standard_normal((120, 192)).astype(np.float32)
     ours.push(feats)

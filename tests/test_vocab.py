@@ -11,11 +11,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from llama_dflash import DFlashError, SpeculativeGenerator
-from llama_dflash.drafter import Drafter
-from llama_dflash.gguf_io import ARCH, read_tensors
-from llama_dflash.reference import DFlashReference
-from llama_dflash.upstream import UpstreamDrafter
-from llama_dflash.vocab import _copy_fields, choose_vocab, reduce_vocab, token_counts
+from llama_dflash.core.drafter import Drafter
+from llama_dflash.formats.gguf import ARCH, read_tensors
+from llama_dflash.formats.vocab import _copy_fields, choose_vocab, reduce_vocab, token_counts
+from llama_dflash.verify.reference import DFlashReference
+from llama_dflash.verify.upstream import UpstreamDrafter
 
 from hf_fixtures import TOPK
 from models import MASK_ID, VOCAB, compare_lattice, growing_context, reference_draft
@@ -212,7 +212,7 @@ def test_bad_reduced_vocabularies_are_clear_errors(artifacts, v2_drafter, tmp_pa
 
 
 def test_cli_reduce_vocab(artifacts, v2_drafter, tmp_path, capsys):
-    from llama_dflash.cli import main
+    from llama_dflash.api.cli import main
 
     a = artifacts["llama"]
     text = tmp_path / "corpus.txt"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import llama_cpp  # noqa: F401  (load libllama first: the C core binds to that copy)
 
-from .engine import DFlashError, GenerationResult, SpeculativeGenerator
-from .llama import DFlashDraftModel, Llama
-from .sampling import SamplingParams
-from .stats import SpecStats
+from .api.llama import DFlashDraftModel, Llama
+from .core import GenerationResult, SamplingParams, SpecStats, SpeculativeGenerator
+from .errors import DFlashError
 
 __all__ = ["DFlashDraftModel", "DFlashError", "GenerationResult", "Llama", "SamplingParams", "SpecStats",
            "SpeculativeGenerator"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import llama_cpp
 
 _FTYPES = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
-_DATA = Path(__file__).resolve().parent / "data"
+_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def cache_dir() -> Path:

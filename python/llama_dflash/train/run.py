@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .convert.hf import convert_hf_to_gguf, default_target_layer_ids, read_target
-from .convert.safetensors_io import write_safetensors
-from .gguf_io import DrafterConfig, read_tensors
+from ..formats.gguf import DrafterConfig, read_tensors
+from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target
+from ..formats.safetensors import write_safetensors
+from ..verify.reference import DFlashReference
+from .data import Dataset, DataSpec, Progress, build_features, generate_responses
+from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
 from .prompts import training_prompts
-from .reference import DFlashReference
-from .train import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
-from .train_data import Dataset, DataSpec, Progress, build_features, generate_responses
 
 
 @dataclass
@@ -129,7 +129,7 @@ _SHAPE = ("taps", "n_layer", "block_size", "mask_token_id", "n_ff", "selector_ra
 def _init_source(spec: RunSpec) -> tuple[dict, dict]:
     """The finished run `spec.init` (what the summary records of it) and its final weights,
     checked to be this drafter shape for the same target before any data is made."""
-    from .train_data import DataSpec, _capture_id
+    from .data import DataSpec, _capture_id
 
     src = Path(spec.init)
     path = src / "summary.json"
@@ -175,9 +175,9 @@ def final_weights(src: Path, pspec: dict, what: str = "") -> tuple[str, dict, in
 def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
     """The drafter's shape for target config t (from _target_config)."""
     cfg = DrafterConfig(n_embd=t["n_embd"], n_layer=spec.n_layer, n_head=t["n_head"], n_head_kv=t["n_head_kv"],
-                        head_dim=t["head_dim"], n_ff=spec.n_ff or t["n_ff"], target_layer_ids=list(spec.taps),
+                        head_dim=t["head_dim"], n_ff=spec.n_ff or t["n_ff"], target_layers=list(spec.taps),
                         block_size=spec.block_size, mask_token_id=spec.mask_token_id, rope_theta=t["rope_theta"],
-                        rms_eps=t["rms_eps"], context_length=t["context_length"])
+                        rms_eps=t["rms_eps"], n_ctx_train=t["context_length"])
     if version == 2:
         cfg.conv_kernel_size, cfg.conv_group_size = spec.conv_kernel_size, spec.conv_group_size
         cfg.selector_rank, cfg.selector_top_k = spec.selector_rank, spec.selector_top_k
@@ -187,7 +187,7 @@ def drafter_config(spec: RunSpec, version: int, t: dict) -> DrafterConfig:
 
 def hf_config(cfg: DrafterConfig, t: dict) -> dict:
     """config.json in the z-lab schema (dflash_config nested, as the June 2026 revisions write it)."""
-    dc = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}
+    dc = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layers}
     if cfg.is_v2:
         dc.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
                   selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
@@ -346,7 +346,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 def _draft_vocab(ds: Dataset, spec: RunSpec, n_vocab: int) -> np.ndarray:
     """The draft vocabulary (d2t order): the draft_vocab tokens most frequent in the training
     sequences (prompts and responses; the target's end-of-generation ids always kept)."""
-    from .vocab import choose_vocab, eog_ids, token_counts
+    from ..formats.vocab import choose_vocab, eog_ids, token_counts
 
     counts = token_counts(n_vocab, (ds.sequence(i)[0] for i in ds.train_ids))
     return choose_vocab(counts, spec.draft_vocab, eog_ids(spec.target))
@@ -355,7 +355,7 @@ def _draft_vocab(ds: Dataset, spec: RunSpec, n_vocab: int) -> np.ndarray:
 def _reduce(ds: Dataset, keep: np.ndarray, target: str, full: Path, out: Path) -> dict:
     """The shipped drafter: the full-vocabulary conversion cut to the draft vocabulary `keep`.
     Coverage is measured on the held-out responses."""
-    from .vocab import reduce_vocab
+    from ..formats.vocab import reduce_vocab
 
     reduce_vocab(full, target, out, keep)
     held = [toks[start:] for toks, _, start in map(ds.sequence, ds.val_ids)]  # held-out responses

@@ -3,52 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native
-from ._native import ffi, lib
-
-
-class DFlashError(RuntimeError):
-    """A user-facing error from llama-dflash (bad file, mismatch, bad parameter)."""
-
-
-@dataclass(frozen=True)
-class DrafterInfo:
-    version: int
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    block_size: int
-    target_layers: tuple[int, ...]
-    mask_token_id: int
-    n_vocab: int
-    causal: bool
-    sliding_window: int
-    rope_theta: float
-    rms_eps: float
-    embedding_scale: float
-    logit_scale: float
-    softcap: float
-    conv_kernel_size: int = 0
-    conv_group_size: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
-    rope_freq_scale: float = 1.0
-    rope_ext_factor: float = 0.0
-    n_vocab_draft: int = 0  # tokens it can propose: n_vocab, or its reduced (d2t) vocabulary
-
-
-def check_file(path: str | os.PathLike, what: str) -> bytes:
-    p = os.fspath(path)
-    if not os.path.isfile(p):
-        raise FileNotFoundError(f"{what} file not found: {p!r}")
-    return os.fsencode(p)  # any path the OS takes (undecodable bytes included)
+from .. import _native
+from .._native import ffi, lib
+from ..errors import DFlashError, check_file
+from ..formats.config import DrafterConfig, from_info
 
 
 class Drafter(_native.Resource):
@@ -69,17 +30,7 @@ class Drafter(_native.Resource):
         self._d = d
         i = ffi.new("struct dflash_drafter_info *")
         lib.dflash_drafter_get_info(d, i)
-        self.info = DrafterInfo(
-            version=i.version, n_layer=i.n_layer, n_embd=i.n_embd, n_head=i.n_head, n_head_kv=i.n_head_kv,
-            head_dim=i.head_dim, n_ff=i.n_ff, block_size=i.block_size,
-            target_layers=tuple(i.target_layers[k] for k in range(i.n_taps)),
-            mask_token_id=i.mask_token_id, n_vocab=i.n_vocab, causal=bool(i.causal),
-            sliding_window=i.n_swa, rope_theta=i.rope_theta, rms_eps=i.rms_eps,
-            embedding_scale=i.embedding_scale, logit_scale=i.logit_scale, softcap=i.softcap,
-            conv_kernel_size=i.conv_kernel_size, conv_group_size=i.conv_group_size, selector_rank=i.selector_rank,
-            selector_top_k=i.selector_top_k, rope_freq_scale=i.rope_freq_scale, rope_ext_factor=i.rope_ext_factor,
-            n_vocab_draft=i.n_vocab_draft,
-        )
+        self.info: DrafterConfig = from_info(i)
 
     def memory(self) -> dict:
         """Bytes allocated by the drafter (weights, cache, compute) and borrowed from the target."""
@@ -205,7 +156,7 @@ class DrafterState:
         return _read_lattice(self.drafter.info, lambda c, s: lib.dflash_state_last_lattice(self._st, c, s))
 
 
-def _read_lattice(info: DrafterInfo, call) -> tuple[np.ndarray, np.ndarray]:
+def _read_lattice(info: DrafterConfig, call) -> tuple[np.ndarray, np.ndarray]:
     if info.version != 2:
         raise DFlashError("only DFlash2 drafters have a candidate lattice")
     K = info.selector_top_k

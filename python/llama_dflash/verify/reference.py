@@ -12,7 +12,9 @@ import os
 import torch
 from torch import nn
 
-from .gguf_io import DrafterConfig, read_drafter_config, read_tensors
+from ..formats.config import DrafterConfig
+from ..formats.gguf import read_drafter_config, read_tensors
+from ..formats.table import table
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +210,7 @@ class DFlashReference(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.n_embd * len(cfg.target_layer_ids), cfg.n_embd, bias=False)
+        self.fc = nn.Linear(cfg.n_embd * len(cfg.target_layers), cfg.n_embd, bias=False)
         self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
@@ -226,7 +228,7 @@ class DFlashReference(nn.Module):
         if c.causal:
             vis &= kp <= qp
         if swa:
-            vis &= (qp - kp).abs() < c.sliding_window
+            vis &= (qp - kp).abs() < c.n_swa
         return torch.zeros(vis.shape).masked_fill(~vis, float("-inf"))
 
     def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
@@ -282,41 +284,18 @@ class DFlashReference(nn.Module):
         return model
 
 
-_GGUF_TO_HF_TOP = {
-    "fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight",
-    "selector_predecessor.weight": "candidate_selector.predecessor_codebook",
-    "selector_successor.weight": "candidate_selector.successor_codebook",
-    "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
-}
-_GGUF_TO_HF = {
-    "attn_conv_base": "attention_conv.base_kernel", "attn_conv_proj": "attention_conv.kernel_projection.weight",
-    "ffn_conv_base": "mlp_conv.base_kernel", "ffn_conv_proj": "mlp_conv.kernel_projection.weight",
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
 def gguf_to_hf(tensors: dict) -> dict[str, torch.Tensor]:
-    """GGUF tensor names -> HF/z-lab parameter names (same [out, in] layout)."""
-    out = {}
-    for name, arr in tensors.items():
-        t = torch.from_numpy(arr.copy())
-        if name in _GGUF_TO_HF_TOP:
-            out[_GGUF_TO_HF_TOP[name]] = t
-        elif name.startswith("blk."):
-            parts = name.split(".")
-            hf = _GGUF_TO_HF[parts[2]]
-            out[f"layers.{parts[1]}.{hf}" + ("" if hf.endswith((".weight", "base_kernel")) else ".weight")] = t
-    return out
+    """GGUF tensor names -> HF/z-lab parameter names (same [out, in] layout), by the format table."""
+    T = table()
+    return {T.to_hf(name): torch.from_numpy(arr.copy()) for name, arr in tensors.items() if T.to_hf(name)}
 
 
 def hf_to_reference(tensors: dict) -> dict[str, torch.Tensor]:
     """HF checkpoint names (any published variant) -> reference parameter names."""
+    T = table()
     out = {}
     for name, arr in tensors.items():
-        n = name.removeprefix("model.")
-        n = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}.get(n, n)
-        out[n.removesuffix(".weight") if n.endswith("_codebook.weight") else n] = torch.as_tensor(arr).float().clone()
+        g = T.from_hf(name)
+        n = T.to_hf(g) if g else name.removeprefix("model.")
+        out[n] = torch.as_tensor(arr).float().clone()
     return out

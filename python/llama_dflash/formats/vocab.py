@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from .gguf_io import ARCH
+from .gguf import ARCH
 
 _SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
 
@@ -76,7 +76,7 @@ def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str
     The drafter must borrow the target's head (no output.weight of its own, no d2t yet);
     the head rows are copied in the target's own encoding.
     """
-    from .drafter import check_file
+    from ..errors import check_file
 
     check_file(drafter, "drafter")
     d = GGUFReader(os.fspath(drafter))
@@ -116,8 +116,8 @@ def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str
 def read_token_sources(target: str | os.PathLike, paths: Sequence[str | os.PathLike]) -> np.ndarray:
     """Token counts over the target's vocabulary from .npy id arrays and text files (tokenized
     with the target's own tokenizer)."""
-    from ._native import Tokenizer
-    from .drafter import check_file
+    from .._native import Tokenizer
+    from ..errors import check_file
 
     check_file(target, "target model")
     with Tokenizer(target) as tok:

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from . import _native
-from ._native import ffi, lib
-from .drafter import DFlashError, Drafter, DrafterInfo
+from .. import _native
+from .._native import ffi, lib
+from ..errors import DFlashError
+from ..formats.config import DrafterConfig
+from .drafter import Drafter
 from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import SpecStats
 
@@ -141,7 +143,7 @@ class EngineCore(_native.Resource):
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self.drafter_info: DrafterInfo | None = None
+        self.drafter_info: DrafterConfig | None = None
         self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
         lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
         if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):

@@ -11,9 +11,10 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _logger
 
-from . import _native
-from .core import DraftSource, EngineCore, EngineRequest, StepCallback
-from .drafter import DFlashError, DrafterInfo, check_file
+from .. import _native
+from ..errors import DFlashError, check_file
+from ..formats.config import DrafterConfig
+from .engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from .sampling import SamplingParams
 from .stats import SpecStats
 
@@ -80,7 +81,7 @@ class SpeculativeGenerator(_native.Resource):
         except BaseException:
             self.close()
             raise
-        self.drafter_info: DrafterInfo | None = self._core.drafter_info
+        self.drafter_info: DrafterConfig | None = self._core.drafter_info
         self.capture_mode = self._core.capture_mode
 
         cparams = llama_cpp.llama_context_default_params()

@@ -94,7 +94,7 @@ def _stdlib_functions() -> list[tuple[str, str, str]]:
     import subprocess
     import sys
 
-    code = "import json, llama_dflash.prompts as p; print(json.dumps(p._collect_stdlib_functions()))"
+    code = "import json, llama_dflash.train.prompts as p; print(json.dumps(p._collect_stdlib_functions()))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return [tuple(x) for x in json.loads(r.stdout)]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .convert.hf import gguf_name
-from .gguf_io import DrafterConfig, write_drafter
-from .reference import DFlashReference
+from ..formats.gguf import DrafterConfig, write_drafter
+from ..formats.hf import gguf_name
+from ..verify.reference import DFlashReference
 
 
 @dataclass
@@ -58,7 +58,7 @@ def block_mask(anchors: torch.Tensor, n_ctx: int, block: int, cfg: DrafterConfig
     if cfg.causal:
         vis &= torch.cat([torch.ones_like(ctx_vis), kpos[None, n_ctx:] <= qpos[:, None]], dim=1)
     if swa:
-        vis &= (qpos[:, None] - kpos[None, :]).abs() < cfg.sliding_window
+        vis &= (qpos[:, None] - kpos[None, :]).abs() < cfg.n_swa
     return torch.zeros(vis.shape).masked_fill(~vis, float("-inf"))
 
 

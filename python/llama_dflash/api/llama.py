@@ -22,11 +22,11 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
+from ..core.sampling import SamplingParams
+from ..core.stats import Acceptance, SpecStats
+from ..errors import check_file
 from . import completion
-from .core import DraftSource, EngineCore, EngineRequest, StepCallback
-from .drafter import check_file
-from .sampling import SamplingParams
-from .stats import Acceptance, SpecStats
 
 
 def openai_response_format(response_format):

@@ -3,7 +3,7 @@
     llama-dflash serve --model T.gguf --draft_model_path D.gguf [--draft_n_max 5 ...]
     llama-dflash serve --config_file models.json     # {"models": [{...}, ...], "port": ...}
 
-(``python -m llama_dflash.server`` takes the same arguments.)  Settings, request and response
+(``python -m llama_dflash.api.server`` takes the same arguments.)  Settings, request and response
 types and model switching are llama-cpp-python's (``llama_cpp.server``); the routes are ours so
 that no request is lost or cut and none reaches the model unchecked:
 
@@ -58,7 +58,7 @@ try:
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - exercised only without the extras
-    raise ImportError(f"llama_dflash.server needs llama-cpp-python's server extras ({e.name} is missing): "
+    raise ImportError(f"llama_dflash.api.server needs llama-cpp-python's server extras ({e.name} is missing): "
                       "pip install fastapi uvicorn sse-starlette pydantic-settings starlette-context") from None
 
 from .llama import Llama, openai_response_format

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from ._native import Resource
+from .._native import Resource
 
 
 @dataclass

@@ -9,7 +9,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from .drafter import DFlashError
+from ..errors import DFlashError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,7 +78,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(a: argparse.Namespace):
-    from .sampling import SamplingParams
+    from ..core.sampling import SamplingParams
 
     return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           repeat_penalty=a.repeat_penalty, seed=a.seed, mode=a.mode)
@@ -98,7 +98,7 @@ def _summary(label: str, s) -> str:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .engine import SpeculativeGenerator
+    from ..core.generator import SpeculativeGenerator
 
     prompt = _prompt(a)
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
@@ -118,20 +118,20 @@ DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a 
 
 def cmd_demo(a: argparse.Namespace) -> int:
     """The README's main job: plain vs speculative on the embedded default model."""
-    from .engine import SpeculativeGenerator
+    from ..core.generator import SpeculativeGenerator
     from .models import default_target, shipped_drafter
 
     target = default_target()
     drafter = shipped_drafter()
     trained = drafter is not None
     if drafter is None:
-        from .gguf_io import DrafterConfig, random_drafter_tensors, write_drafter
+        from ..formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
         from .models import cache_dir
 
         drafter = cache_dir() / "smollm2-135m-dflash-untrained.gguf"
         if not drafter.is_file():
             cfg = DrafterConfig(n_embd=576, n_layer=2, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
-                                target_layer_ids=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,
+                                target_layers=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,
                                 rope_theta=100000.0, rms_eps=1e-5)
             write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
     with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
@@ -212,7 +212,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     """The drafter recipe (data -> features -> DFlash v1 -> DFlash2 -> HF -> GGUF), resumable."""
-    from .train_run import RunSpec, run
+    from ..train.run import RunSpec, run
 
     if a.target is None:
         from .models import default_target
@@ -242,7 +242,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
-    from .convert import convert_hf_to_gguf
+    from ..formats import convert_hf_to_gguf
 
     res = convert_hf_to_gguf(a.hf_dir, a.target, a.outfile, outtype=a.outtype, progress=True)
     print(f"wrote {res['outfile']}: DFlash{'2' if res['version'] == 2 else ''} drafter, {res['tensors']} tensors, "
@@ -251,7 +251,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_reduce_vocab(a: argparse.Namespace) -> int:
-    from .vocab import choose_vocab, eog_ids, read_token_sources, reduce_vocab
+    from ..formats.vocab import choose_vocab, eog_ids, read_token_sources, reduce_vocab
 
     counts = read_token_sources(a.target, a.tokens)
     keep = choose_vocab(counts, a.size, eog_ids(a.target))
@@ -263,7 +263,7 @@ def cmd_reduce_vocab(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .convert import describe
+    from ..formats import describe
 
     info = describe(a.file)
     fit = None
@@ -271,14 +271,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         fit = _check_fit(a.file, a.target)
     if a.json:
         print(json.dumps({**info, "fits_target": fit}))
-        return 0
+        return 0 if fit is None or fit["ok"] else 1
     print(f"{info['file']}: DFlash{'2' if info['version'] == 2 else ''} drafter, {info['bytes'] / 2**20:.1f} MiB")
     print(f"  block size {info['block_size']}, taps {info['target_layers']} (HF ids), mask token "
           f"{info['mask_token_id']}")
     print(f"  {info['n_layer']} layers, hidden {info['n_embd']}, heads {info['n_head']}/{info['n_head_kv']} x "
-          f"{info['head_dim']}, ffn {info['n_ff']}, causal {info['causal']}, sliding window {info['sliding_window']}")
-    if info["dflash2"]:
-        print("  DFlash2: " + ", ".join(f"{k} {v}" for k, v in info["dflash2"].items()))
+          f"{info['head_dim']}, ffn {info['n_ff']}, causal {info['causal']}, sliding window {info['n_swa']}")
+    if info["version"] == 2:
+        print("  DFlash2: " + ", ".join(f"{k} {info[k]}" for k in ("conv_kernel_size", "conv_group_size",
+                                                                   "selector_rank", "selector_top_k")))
     print("  draft vocabulary: " + (f"{info['draft_vocab']} tokens (d2t, own head)" if info["draft_vocab"]
                                     else "the target's (borrowed head)"))
     print(f"  {info['n_tensors']} tensors: " + ", ".join(f"{n} {k}" for k, n in info["types"].items()))
@@ -286,14 +287,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         print(f"    {name:40s} {str(shape):24s} {typ}")
     if fit is not None:
         print(f"target {a.target}: " + ("fits" if fit["ok"] else f"does not fit: {fit['error']}"))
-    return 0
+    return 0 if fit is None or fit["ok"] else 1
 
 
 def _check_fit(drafter: str, target: str) -> dict:
     """Load both with the runtime's own validation (no context needed)."""
     import llama_cpp
 
-    from .drafter import Drafter, check_file
+    from ..core.drafter import Drafter
+    from ..errors import check_file
 
     check_file(target, "target model")
     model = llama_cpp.llama_model_load_from_file(target.encode(), llama_cpp.llama_model_default_params())
@@ -343,7 +345,7 @@ def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list
     run's on_step records), with a fresh plain llama_cpp.Llama that keeps every row's logits."""
     import llama_cpp
 
-    from .certify import certify
+    from ..verify.certify import certify
 
     if _first_divergence(plain.tokens, spec.tokens) is None:
         return None
@@ -356,7 +358,7 @@ def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list
 
 def cmd_diff(a: argparse.Namespace) -> int:
     """Plain vs speculative on the same request; classify the first divergence."""
-    from .engine import SpeculativeGenerator
+    from ..core.generator import SpeculativeGenerator
 
     sp = _sampling(a)
     if sp.temperature > 0 and sp.mode == "rejection":

@@ -1,4 +1,4 @@
-"""HF DFlash / DFlash2 drafter checkpoints -> GGUF drafter files (docs: dflash-architecture §4).
+"""HF DFlash / DFlash2 drafter checkpoints -> GGUF drafter files (docs/architecture.md §4).
 
 Reads every published config schema variant, takes the vocabulary, hidden size,
 layer count and M-RoPE layout from the target's GGUF, checks every tensor's
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +18,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from ..gguf_io import DrafterConfig, TensorSource, copy_tokenizer, write_drafter
-from .safetensors_io import LazyTensor, SafetensorsError, open_checkpoint
+from .config import DrafterConfig
+from .gguf import TensorSource, copy_tokenizer, write_drafter
+from .safetensors import LazyTensor, SafetensorsError, open_checkpoint
+from .table import table
 
 ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
 
@@ -187,10 +188,10 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         n_t = cfg.get("num_target_layers") or target.n_layer
         ids = default_target_layer_ids(n_t, L)
     if not ids or not all(isinstance(i, int) for i in ids):
-        fail("dflash_config.target_layer_ids", f"{ids!r} is not a list of layer ids")
+        fail("dflash_config.target_layers", f"{ids!r} is not a list of layer ids")
     for i in ids:
         if not 0 <= i < target.n_layer - 1:
-            fail("dflash_config.target_layer_ids", f"layer {i} is not below the target's last layer "
+            fail("dflash_config.target_layers", f"layer {i} is not below the target's last layer "
                                                    f"({target.n_layer} layers; usable 0..{target.n_layer - 2})")
 
     rp = cfg.get("rope_parameters") or {}
@@ -224,17 +225,17 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     softcap = dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")) or 0.0
     out = DrafterConfig(
         n_embd=H, n_layer=L, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim, n_ff=cfg["intermediate_size"],
-        target_layer_ids=list(ids), block_size=block, mask_token_id=mask, rope_theta=float(theta),
+        target_layers=list(ids), block_size=block, mask_token_id=mask, rope_theta=float(theta),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), causal=bool(causal),
-        sliding_window=int(window) if swa else 0, swa_layers=swa,
+        n_swa=int(window) if swa else 0, swa_layers=swa,
         embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
         logit_scale=float(dc.get("output_multiplier", 1.0)), softcap=float(softcap),
-        context_length=int(cfg.get("max_position_embeddings", 32768)),
-        rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [],
+        n_ctx_train=int(cfg.get("max_position_embeddings", 32768)),
+        rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [], n_vocab=target.n_vocab,
     )
     if rtype != "default":
         out.rope_scaling, out.rope_factor = rtype, float(scaling["factor"])
-        out.rope_orig_ctx = int(scaling.get("original_max_position_embeddings") or out.context_length)
+        out.rope_orig_ctx = int(scaling.get("original_max_position_embeddings") or out.n_ctx_train)
         out.yarn_beta_fast = float(scaling.get("beta_fast", 32.0))
         out.yarn_beta_slow = float(scaling.get("beta_slow", 1.0))
 
@@ -251,68 +252,9 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     return out, version
 
 
-_LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "attention_conv.base_kernel": "attn_conv_base",
-    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
-    "mlp_conv.base_kernel": "ffn_conv_base",
-    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
-}
-_TOP_MAP = {
-    "fc.weight": "fc.weight",
-    "encoder.fc.weight": "fc.weight",
-    "hidden_norm.weight": "enc.output_norm.weight",
-    "encoder.output_norm_enc.weight": "enc.output_norm.weight",
-    "norm.weight": "output_norm.weight",
-    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
-    "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
-    "candidate_selector.successor_codebook": "selector_successor.weight",
-    "candidate_selector.successor_codebook.weight": "selector_successor.weight",
-    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
-}
-
-
 def gguf_name(hf_name: str) -> str | None:
-    n = hf_name.removeprefix("model.")
-    if n in _TOP_MAP:
-        return _TOP_MAP[n]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", n)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"blk.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    return None
-
-
-def expected_shapes(c: DrafterConfig, n_vocab: int) -> dict[str, tuple[int, ...]]:
-    """GGUF name -> PyTorch-order shape of every tensor the drafter must have."""
-    E, qd, kvd, d = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.head_dim
-    s: dict[str, tuple[int, ...]] = {
-        "fc.weight": (E, E * len(c.target_layer_ids)), "enc.output_norm.weight": (E,), "output_norm.weight": (E,)}
-    for i in range(c.n_layer):
-        p = f"blk.{i}."
-        s.update({p + "attn_norm.weight": (E,), p + "attn_q.weight": (qd, E), p + "attn_k.weight": (kvd, E),
-                  p + "attn_v.weight": (kvd, E), p + "attn_output.weight": (E, qd), p + "attn_q_norm.weight": (d,),
-                  p + "attn_k_norm.weight": (d,), p + "ffn_norm.weight": (E,), p + "ffn_gate.weight": (c.n_ff, E),
-                  p + "ffn_up.weight": (c.n_ff, E), p + "ffn_down.weight": (E, c.n_ff)})
-        if c.is_v2:
-            k, g = c.conv_kernel_size, E // c.conv_group_size
-            for side in ("attn", "ffn"):
-                s[p + f"{side}_conv_base"] = (2, k, E)
-                s[p + f"{side}_conv_proj.weight"] = (2 * k * g, E)
-    if c.is_v2:
-        r = c.selector_rank
-        s.update({"selector_predecessor.weight": (n_vocab, r), "selector_successor.weight": (n_vocab, r),
-                  "selector_hidden.weight": (r, E)})
-    return s
+    """GGUF name of a HF checkpoint tensor (the format table's HF names), or None."""
+    return table().from_hf(hf_name)
 
 
 def _progress_bar(label: str):
@@ -364,12 +306,13 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     mapped: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
         g = gguf_name(name)
-        if g is None or (g.startswith(("selector_", )) or "_conv_" in g) and version == 1:
+        row = table().tensor(g) if g else None
+        if row is None or (row[0].need == "V2" and version == 1):
             raise ConvertError(f"{t.file}: unexpected tensor '{name}' for a {cfg['architectures'][0]}")
         if g in mapped:
             raise ConvertError(f"{t.file}: tensor '{name}' duplicates '{mapped[g].name}'")
         mapped[g] = t
-    want = expected_shapes(c, target.n_vocab)
+    want = table().required(c)
     missing = [n for n in want if n not in mapped]
     if missing:
         raise ConvertError(f"{d}: missing tensors: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else ""))
@@ -391,7 +334,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
         tmp.unlink(missing_ok=True)
         raise
     return {"outfile": str(out), "tensors": n, "bytes": out.stat().st_size, "version": version,
-            "block_size": c.block_size, "target_layers": c.target_layer_ids, "outtype": outtype,
+            "block_size": c.block_size, "target_layers": c.target_layers, "outtype": outtype,
             "draft_vocab": n_draft}
 
 

@@ -17,7 +17,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
-from ._native import ffi, ptr
+from .._native import ffi, ptr
 
 MODES = ("match", "rejection")
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._native import Tokenizer
-from .batchgen import BatchGenerator, Job
+from ..core import Tokenizer
+from ..core.batchgen import BatchGenerator, Job
 from .prompts import Prompt, chatml
 
 
@@ -251,7 +251,7 @@ def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None =
     directory may hold more, e.g. samples of an earlier, larger run) and capture their features with
     the C capture (fp16 on disk).  Resumable, and incremental when responses were added; `reuse`:
     other data directories (same target and taps) whose captured sequences are copied."""
-    from .engine import SpeculativeGenerator
+    from ..core.generator import SpeculativeGenerator
 
     want = None if prompts is None else wanted(spec, prompts)
     recs, seen = [], set()

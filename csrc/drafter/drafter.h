@@ -1,0 +1,115 @@
+// The drafter's internals, shared by its units:
+//   load.c   GGUF reading and validation (driven by dflash_format.h), weights
+//   graph.c  the forward graph: context injection, the block, DFlash2 conv and selector
+//   select.c host-side choice of the drafted tokens: greedy, p_min, filter, sampling, walk
+//   draft.c  one graph run (inputs, compute, outputs) and the public draft calls
+//   state.c  sequence states: context caches and queued features
+#pragma once
+
+#include "dflash.h"
+#include "dflash_format.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define DFLASH_MAX_LAYERS 64
+#define DFLASH_MAX_SEQ 16
+#define DFLASH_GRAPH_SIZE 4096
+#define DFLASH_INJECT_CHUNK 512
+
+// Weights, one field per row of the format table.
+struct dflash_layer {
+#define X(field, ...) struct ggml_tensor * field;
+    DFLASH_LAYER_TENSORS(X)
+#undef X
+};
+
+struct dflash_weights {
+#define X(field, ...) struct ggml_tensor * field;
+    DFLASH_TOP_TENSORS(X)
+#undef X
+};
+
+// One sequence's context: per-layer K/V of committed positions, and queued features.
+struct dflash_state {
+    struct dflash_drafter * d;
+    struct ggml_context * ctx_kv;
+    ggml_backend_buffer_t buf_kv;
+    struct ggml_tensor * k_cache[DFLASH_MAX_LAYERS]; // [head_dim*n_head_kv, n_ctx]: one row per position
+    struct ggml_tensor * v_cache[DFLASH_MAX_LAYERS]; // [n_ctx, head_dim*n_head_kv]: transposed for kq*v
+    int32_t n_cached;     // positions projected into the cache
+    float * pending;      // queued feature rows
+    int32_t n_pending;
+    int32_t pending_cap;
+    int32_t * last_cand;  // DFlash2: lattice of the last draft
+    float * last_scores;
+    int32_t last_n;
+};
+
+struct dflash_drafter {
+    struct dflash_drafter_info hp;
+    int32_t n_embd_inp; // n_taps * n_embd
+
+    struct ggml_context * ctx_w;    // own weights
+    ggml_backend_buffer_t buf_w;
+
+    // w.tok_embd / w.head are the target's tensors unless the file has its own (own_*);
+    // w.d2t (reduced vocabulary) holds the target ids as I32, also on the host in d2t_host.
+    struct dflash_weights w;
+    struct dflash_layer layers[DFLASH_MAX_LAYERS];
+    int32_t * d2t_host;
+    bool own_embd, own_head;
+
+    ggml_backend_t backends[2];
+    int n_backends;
+    ggml_backend_t cpu;
+    ggml_backend_sched_t sched;
+    void * meta_buf;
+    size_t meta_size;
+
+    struct dflash_state * def;     // the state behind the single-sequence API
+};
+
+// graph.c: one graph over n_seq states (inputs named in struct dflash_graph).
+struct dflash_graph {
+    struct ggml_context * ctx;
+    struct ggml_cgraph * gf;
+    struct ggml_tensor * feat[DFLASH_MAX_SEQ], * feat_pos[DFLASH_MAX_SEQ]; // injection inputs (or NULL)
+    struct ggml_tensor * tokens, * block_pos;                            // [B * n_seq] (or NULL)
+    struct ggml_tensor * mask_full[DFLASH_MAX_SEQ], * mask_swa[DFLASH_MAX_SEQ]; // [n_kv_s, B] (or NULL)
+    struct ggml_tensor * logits, * argmax;                               // outputs, [.., n * n_seq]
+    struct ggml_tensor * anchor;                                         // DFlash2: [n_seq] anchor ids
+    struct ggml_tensor * cand, * scores;                                 // top-K ids, lattice / logits
+    int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
+};
+
+bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
+                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk);
+void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool causal, int32_t window);
+
+// select.c: a draft's token choice on the host.
+struct dflash_sample_req {
+    float temperature;
+    struct dflash_rng * rng;  // NULL: greedy choice (p_min cut-off only)
+    int32_t * cand;   // n x k
+    float * q;        // n x k
+    int32_t k;
+    float p_min;      // greedy: stop at the first slot less confident than this
+    int32_t n_out;    // tokens produced
+    struct dflash_token_filter * filter;  // optional: only allowed candidates
+};
+
+int32_t dflash_choose(const float * x, const int32_t * c, int32_t k, struct dflash_sample_req * samp, float * q);
+float   dflash_softmax_at(const float * x, int32_t k, int32_t j);
+int32_t dflash_walk(const struct dflash_drafter_info * hp, const int32_t * cand, const float * scores, int32_t n,
+                    int32_t * out_tokens, struct dflash_sample_req * samp);
+int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_t K, int32_t * out_tokens,
+                         struct dflash_sample_req * samp);
+
+// draft.c: run one graph (injects pending rows; drafts n_block - 1 tokens per state when n_block > 0).
+int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, int32_t n_seq,
+                         const int32_t * anchors, int32_t n_block, int32_t * out_tokens, float * out_logits,
+                         struct dflash_sample_req * samp, char * err, size_t err_len);

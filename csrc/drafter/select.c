@@ -1,0 +1,118 @@
+// Choosing the drafted tokens on the host, from each slot's few candidates that the
+// graph returns: greedy, greedy with a p_min cut-off, under a token filter (grammar),
+// or sampled (the proposal q of rejection sampling); DFlash2 walks its lattice.
+#include "drafter.h"
+
+#include "common.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+// A sampled draft (T > 0): its temperature, random state and proposal outputs.
+static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q);
+
+
+// The slot's choice among its k candidates x[0..k) (ids c) under the filter: greedy takes
+// the best allowed one, sampling draws from softmax(x / T) over the allowed ones (q of the
+// rest is 0).  Returns the index, or -1 when nothing is allowed; the choice is accepted
+// into the filter.
+int32_t dflash_choose(const float * x, const int32_t * c, int32_t k, struct dflash_sample_req * samp, float * q) {
+    struct dflash_token_filter * f = samp ? samp->filter : NULL;
+    float masked[DFLASH_V1_SAMPLE_K > 64 ? DFLASH_V1_SAMPLE_K : 64];
+    const float * row = x;
+    if (f) {
+        int32_t best = -1, n_ok = 0, top = 0;
+        for (int32_t j = 0; j < k; j++) {
+            top = x[j] > x[top] ? j : top;
+            const bool ok = f->allowed(f->ud, c[j]);
+            masked[j] = ok ? x[j] : -INFINITY;
+            if (ok) {
+                n_ok++;
+                if (best < 0 || x[j] > x[best]) best = j;
+            }
+        }
+        if (n_ok == 0) {
+            f->cut = true;
+            return -1;
+        }
+        if (best != top) f->n_skipped++;
+        row = masked;
+    }
+    int32_t pick = 0;
+    if (samp && samp->rng) {
+        pick = sample_softmax(row, k, samp->temperature, samp->rng, q);
+    } else {
+        for (int32_t j = 1; j < k; j++) pick = row[j] > row[pick] ? j : pick;
+    }
+    if (f) f->accept(f->ud, c[pick]);
+    return pick;
+}
+
+// Softmax probability of x[j] among x[0..k) at temperature 1.
+float dflash_softmax_at(const float * x, int32_t k, int32_t j) {
+    float mx = x[0];
+    for (int32_t i = 1; i < k; i++) mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int32_t i = 0; i < k; i++) sum += exp((double) x[i] - mx);
+    return (float) (exp((double) x[j] - mx) / sum);
+}
+
+// Sample index j ~ softmax(x / T) over x[0..k); q receives the probabilities.
+static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q) {
+    float mx = x[0];
+    for (int32_t j = 1; j < k; j++) mx = x[j] > mx ? x[j] : mx;
+    double sum = 0.0;
+    for (int32_t j = 0; j < k; j++) {
+        q[j] = expf((x[j] - mx) / T);
+        sum += q[j];
+    }
+    const double u = dflash_rng_uniform(rng) * sum;
+    double c = 0.0;
+    int32_t pick = k - 1;
+    for (int32_t j = 0; j < k; j++) {
+        c += q[j];
+        if (u < c && pick == k - 1) pick = j;
+        q[j] = (float) (q[j] / sum);
+    }
+    return pick;
+}
+
+// DFlash2: walk one block's lattice from its anchor (greedy, sampled, or greedy with
+// a p_min cut-off); returns the tokens produced.
+int32_t dflash_walk(const struct dflash_drafter_info * hp, const int32_t * cand, const float * scores, int32_t n,
+                    int32_t * out_tokens, struct dflash_sample_req * samp) {
+    const int32_t K = hp->selector_top_k;
+    int32_t prev = 0;
+    for (int32_t k = 0; k < n; k++) {
+        const float * row = scores + ((size_t) k * K + prev) * K;
+        // sampled walk: q conditioned on the drafted predecessor
+        const int32_t best = dflash_choose(row, cand + (size_t) k * K, K, samp, samp ? samp->q + (size_t) k * K : NULL);
+        if (best < 0) return k;
+        if (samp && samp->rng) {
+            memcpy(samp->cand + (size_t) k * K, cand + (size_t) k * K, sizeof(int32_t) * K);
+        } else if (samp && samp->p_min > 0.0f && dflash_softmax_at(row, K, best) < samp->p_min) {
+            return k;
+        }
+        out_tokens[k] = cand[k * K + best];
+        prev = best;
+    }
+    return n;
+}
+
+// DFlash v1: every slot chosen independently among its K best (logits x, ids cand), or the
+// draft cut at the first slot below p_min; returns the tokens produced.
+int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_t K, int32_t * out_tokens,
+                         struct dflash_sample_req * samp) {
+    for (int32_t k = 0; k < n; k++) {
+        const float * x = logits + (size_t) k * K;
+        const int32_t j = dflash_choose(x, cand + (size_t) k * K, K, samp, samp->q + (size_t) k * K);
+        if (j < 0 || (!samp->rng && samp->p_min > 0.0f && dflash_softmax_at(x, K, j) < samp->p_min)) return k;
+        out_tokens[k] = cand[(size_t) k * K + j];
+    }
+    return n;
+}

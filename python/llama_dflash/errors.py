@@ -1,0 +1,17 @@
+"""The errors users see, and the file check every entry point does first."""
+
+from __future__ import annotations
+
+import os
+
+
+class DFlashError(RuntimeError):
+    """A user-facing error from llama-dflash (bad file, mismatch, bad parameter)."""
+
+
+def check_file(path: str | os.PathLike, what: str) -> bytes:
+    """The path as bytes for the C core, or FileNotFoundError naming `what` when it is no file."""
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"{what} file not found: {p!r}")
+    return os.fsencode(p)  # any path the OS takes (undecodable bytes included)
