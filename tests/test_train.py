@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.train import loop as T
 from llama_dflash.formats.gguf import read_tensors
+from llama_dflash.train import loop as T
 from llama_dflash.verify.reference import DFlashReference
 
 from models import drafter_config

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.train import loop as T
 from llama_dflash.api.cli import main
 from llama_dflash.core.batchgen import BatchGenerator, Job
 from llama_dflash.formats.safetensors import read_header
+from llama_dflash.train import loop as T
 from llama_dflash.train.data import Dataset
 from llama_dflash.train.prompts import (
     _held_out_markers,

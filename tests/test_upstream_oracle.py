@@ -49,7 +49,8 @@ def test_yarn_same_as_upstream(artifacts, load_model, tmp_path):
     path = write_random_drafter(str(tmp_path / "yarn.gguf"), a["target"], cfg, seed=12)
     model = load_model(a["target"])
     ours = Drafter(path, model, n_ctx=256, n_threads=2)
-    assert ours.info.rope_scaling == "yarn" and ours.info.yarn_ext_factor == 1.0 and abs(1 / ours.info.rope_factor - 0.25) < 1e-7
+    info = ours.info
+    assert info.rope_scaling == "yarn" and info.yarn_ext_factor == 1.0 and abs(1 / info.rope_factor - 0.25) < 1e-7
     up = UpstreamDrafter(path, model, n_ctx=256)
     feats = np.random.default_rng(13).standard_normal((120, 192)).astype(np.float32)
     ours.push(feats)

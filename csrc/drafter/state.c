@@ -102,3 +102,19 @@ int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float
     if (scores) memcpy(scores, st->last_scores, sizeof(float) * nk * hp->selector_top_k);
     return st->last_n;
 }
+
+// ---- the single-sequence API: the drafter's own state ----------------------------
+
+void dflash_drafter_reset(dflash_drafter * d) { dflash_state_reset(d->def); }
+
+int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) { return dflash_state_truncate(d->def, n); }
+
+int32_t dflash_drafter_n_ctx_used(const dflash_drafter * d) { return dflash_state_n_ctx_used(d->def); }
+
+int32_t dflash_drafter_push(dflash_drafter * d, const float * rows, int32_t n_rows, char * err, size_t err_len) {
+    return dflash_state_push(d->def, rows, n_rows, err, err_len);
+}
+
+int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores) {
+    return dflash_state_last_lattice(d->def, cand, scores);
+}

@@ -12,7 +12,16 @@ from dataclasses import dataclass, field, fields
 from .table import evaluate, table
 
 _T = table()
-_DERIVED = -1  # a default that the table computes from other fields (resolved in __post_init__)
+
+
+class _Derived:
+    """The default of a field that the table computes from other fields (set in __post_init__)."""
+
+    def __repr__(self) -> str:
+        return "<derived>"
+
+
+_DERIVED = _Derived()
 
 
 def _default(name: str):
@@ -69,7 +78,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         for k in _T.keys:  # table order: a derived default's inputs come first
-            if getattr(self, k.field) == _DERIVED:
+            if getattr(self, k.field) is _DERIVED:
                 setattr(self, k.field, evaluate(k.default, self))
 
     def is_swa(self, il: int) -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
+from ..errors import DFlashError
+from .check import check_drafter
 from .config import DrafterConfig
 from .gguf import TensorSource, copy_tokenizer, write_drafter
 from .safetensors import LazyTensor, SafetensorsError, open_checkpoint
@@ -329,6 +331,10 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     try:
         n = write_drafter(tmp, c, srcs, target.write_vocab, outtype=outtype,
                           progress=_progress_bar(f"converting to {outtype}") if progress else None)
+        try:  # what the loader would refuse is refused here, with its reason
+            check_drafter(tmp)
+        except DFlashError as e:
+            raise ConvertError(f"{cfg_path}: the converted drafter would not load: {e}") from None
         tmp.replace(out)
     except BaseException:
         tmp.unlink(missing_ok=True)
