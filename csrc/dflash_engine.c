@@ -1,7 +1,8 @@
 // The speculative loop: prefill -> draft -> verify -> accept -> rollback,
-// greedy (token-identical to plain greedy decoding).
+// greedy (token-identical to plain greedy decoding) or sampled (match: the request's llama.cpp
+// sampler chain row by row; rejection: speculative rejection sampling with the drafter's q).
 //
-// State between steps (docs: dflash-architecture §5.1): the committed tokens
+// State between steps (docs/architecture.md §5.1): the committed tokens
 // end with the anchor, which the target has not consumed yet; the target KV
 // cache and the drafter's context both cover every position before it.
 #include "dflash.h"

@@ -1,4 +1,4 @@
-"""Synthetic HF drafter checkpoints in every published schema variant (docs §4.2-4.3),
+"""Synthetic HF drafter checkpoints in every published schema variant (docs/architecture.md §4.2-4.3),
 small shapes but the real names, layouts and config fields."""
 
 from __future__ import annotations

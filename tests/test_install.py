@@ -1,13 +1,15 @@
-"""`pip install .` the standard way, in a fresh virtualenv that has llama-cpp-python 0.3.36.
+"""Installation: one copy of libllama / libggml in the process whatever is imported first, and
+`pip install .` the standard way in fresh virtualenvs.
 
-Both builds are checked: with build isolation (pip installs the pinned llama-cpp-python into
-the build environment from the wheel cache that scripts/setup.sh fills) and without (the
-venv's own llama-cpp-python, as setup.sh installs it).  The installed package then loads its
-C core, reads its shipped drafter through the C reader and answers the CLI.
+The venv installs are checked both with build isolation (pip installs the pinned
+llama-cpp-python into the build environment from the wheel cache that scripts/setup.sh fills)
+and without (the venv's own llama-cpp-python, as setup.sh installs it); the installed package
+then loads its C core, reads its shipped drafter through the C reader and answers the CLI.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,13 +18,51 @@ from pathlib import Path
 
 import pytest
 
+SCRIPT = r"""
+import json, os, sys
+order = sys.argv[1]
+if order == "llama_cpp_first":
+    import llama_cpp  # noqa
+from llama_dflash import SpeculativeGenerator
+import llama_cpp
+g = SpeculativeGenerator(sys.argv[2], sys.argv[3], n_ctx=128)
+r = g.generate("hello", 8)
+libs = {}
+for line in open("/proc/self/maps"):
+    parts = line.split()
+    if len(parts) >= 6 and "/lib" in parts[5]:
+        base = os.path.basename(parts[5])
+        for name in ("libllama", "libggml-base", "libggml-cpu", "libggml.", "libdflash"):
+            if base.startswith(name):
+                libs.setdefault(name, set()).add(os.path.realpath(parts[5]))
+print(json.dumps({"libs": {k: sorted(v) for k, v in libs.items()}, "n": len(r.tokens),
+                  "llama_cpp_lib": os.path.join(os.path.dirname(llama_cpp.__file__), "lib")}))
+"""
+
+
+@pytest.mark.parametrize("order", ["llama_dflash_first", "llama_cpp_first"])
+def test_single_copy_of_native_libraries(artifacts, order):
+    a = artifacts["llama"]
+    out = subprocess.run([sys.executable, "-c", SCRIPT, order, a["target"], a["drafter"]],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["n"] == 8
+    libdir = os.path.realpath(res["llama_cpp_lib"])
+    for name in ("libllama", "libggml-base", "libggml-cpu", "libggml.", "libdflash"):
+        paths = res["libs"].get(name, [])
+        assert len(paths) == 1, f"{name}: mapped from {paths}"
+        if name != "libdflash":
+            assert os.path.dirname(paths[0]) == libdir, f"{name} not from llama_cpp/lib: {paths}"
+
+
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("LLAMA_DFLASH_CACHE", Path.home() / ".cache" / "llama-dflash")) / "wheels"
 
 
 def _run(*cmd, cwd=None, env=None):
     r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
 

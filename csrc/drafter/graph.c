@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// DFlash2 per-slot kernels of one sub-layer (docs §3.1): kern[:, side*K + t, i] =
+// DFlash2 per-slot kernels of one sub-layer (docs/architecture.md §3.1): kern[:, side*K + t, i] =
 // base[side, t] + dyn_i[side, t, grp(c)], the group value spread over its g channels.
 // dyn: [2*K*G, N] from the normed sub-layer input.  Result: [H, 2*K, N].
 static struct ggml_tensor * conv_kernels(const struct dflash_drafter * d, struct ggml_context * ctx,
@@ -101,7 +101,7 @@ static struct ggml_tensor * to_target_ids(const struct dflash_drafter * d, struc
     return ggml_reshape_2d(ctx, t, ids->ne[0], ids->ne[1]);
 }
 
-// DFlash2 selector (docs §3.2), all on the backend: top-K candidates per slot and the
+// DFlash2 selector (docs/architecture.md §3.2), all on the backend: top-K candidates per slot and the
 // lattice scores[k][a][b] = U_k(c_kb) + <A[c_{k-1,a}] * gate_k, S[c_kb]>, slot 0's predecessor
 // being its block's anchor.  z: [H, n * S], logits: [V, n * S].  Only ids and K x K scores per
 // slot go back to the host.

@@ -1,4 +1,4 @@
-"""Batched generation of the target's own responses (training data, docs §6.1).
+"""Batched generation of the target's own responses (training data, docs/architecture.md §6.1).
 
 Several sequences share each llama_decode (continuous batching: a finished
 sequence's slot is refilled with the next prompt in the same batch), which is

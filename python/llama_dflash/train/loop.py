@@ -1,4 +1,4 @@
-"""Training DFlash drafters on the target's own generations (docs: dflash-architecture §6).
+"""Training DFlash drafters on the target's own generations (docs/architecture.md §6).
 
 Data: prompts -> the target's responses (plain decoding through our loop) -> target
 features of every position, captured by the package's C capture.  Training: random
@@ -99,7 +99,7 @@ def _logits(model: DFlashReference, z: torch.Tensor, head: torch.Tensor) -> torc
 
 def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
                  embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Per-slot losses and hits of the blocks at `anchors` of one sequence (docs §6.2-6.3, §6.5).
+    """Per-slot losses and hits of the blocks at `anchors` of one sequence (docs/architecture.md §6.2-6.3, §6.5).
 
     Unary: cross-entropy of slot k against x_{a+k}.  DFlash2 selector (teacher forced):
     predecessor = the true previous token, candidates = the slot's top-K with the label

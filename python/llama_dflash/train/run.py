@@ -1,4 +1,4 @@
-"""`llama-dflash train`: the whole drafter recipe as one resumable run (docs §6.6).
+"""`llama-dflash train`: the whole drafter recipe as one resumable run (docs/architecture.md §6.6).
 
 Stages, each skipped when its output exists (so an interrupted run picks up where it
 stopped; added responses capture only their new sequences): data (the target's responses,

@@ -1,4 +1,4 @@
-"""PyTorch reference of the DFlash (v1) drafter forward (docs: dflash-architecture §2).
+"""PyTorch reference of the DFlash / DFlash2 drafter forward (docs/architecture.md §2).
 
 The oracle for the C graph and the model that training uses.  Weights use the
 HF / z-lab parameter names; ``from_gguf`` maps a GGUF drafter onto them.
@@ -103,7 +103,7 @@ class MLP(nn.Module):
 
 
 class GroupedDynamicConv(nn.Module):
-    """DFlash2 two-sided grouped dynamic depthwise convolution over the block (docs §3.1).
+    """DFlash2 two-sided grouped dynamic depthwise convolution over the block (docs/architecture.md §3.1).
 
     Taps never reach across the block start; the context is never convolved.
     """
@@ -161,7 +161,7 @@ class Layer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2 candidate-path selector (docs §3.2): top-K per slot, low-rank edge scores, walk."""
+    """DFlash2 candidate-path selector (docs/architecture.md §3.2): top-K per slot, low-rank edge scores, walk."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()

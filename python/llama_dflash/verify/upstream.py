@@ -1,6 +1,6 @@
 """Upstream llama.cpp's own `dflash` graph (inside libllama): cross-check oracle and speed baseline.
 
-Following llama-cpp-python-notes §6.4: a drafter context with ctx_other = the
+As llama.cpp itself drives it: a drafter context with ctx_other = the
 target context; an embd batch injects context features, a token batch
 [anchor, mask x n] drafts, and the noise block is removed afterwards.
 """
