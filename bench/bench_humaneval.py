@@ -26,10 +26,9 @@ import llama_cpp
 from llama_cpp import _logger
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
-from llama_dflash.api.cli import divergence_report
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.train.prompts import chatml, humaneval_prompts
-from llama_dflash.verify.certify import certify
+from llama_dflash.verify.certify import certify, divergence_report
 
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
 

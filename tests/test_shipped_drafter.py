@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
-from llama_dflash.api.cli import divergence_report, replay_divergence
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.train.prompts import chatml, humaneval_prompts
+from llama_dflash.verify.certify import divergence_report, replay_divergence
 
 
 @pytest.fixture(scope="module")

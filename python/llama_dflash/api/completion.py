@@ -160,15 +160,14 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     returned_tokens = 0
     finish_reason = "length"
     multibyte_fix = 0
-    llm._dflash_budget = max_tokens
-    llm._dflash_rows = (rows, logprobs) if logprobs is not None else None
     try:
         for token in llm.generate(prompt_tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                                   temp=temperature, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                                   mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
                                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                   repeat_penalty=repeat_penalty, stopping_criteria=stopping_criteria,
-                                  logits_processor=logits_processor, grammar=grammar):
+                                  logits_processor=logits_processor, grammar=grammar, draft_budget=max_tokens,
+                                  logprob_rows=(rows, logprobs) if logprobs is not None else None):
             if llama_cpp.llama_vocab_is_eog(m.vocab, token):
                 text = bytes(raw[skip:])
                 finish_reason = "stop"

@@ -150,8 +150,7 @@ class Llama(llama_cpp.Llama):
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
         self.on_step: StepCallback | None = None        # receives each verify step's cache state
-        self._dflash_rows = None  # (list, n): the completion loop asked for per-token logprobs
-        self._dflash_budget = -1
+        self._base_budget = -1  # max_tokens of a completion the base class's own loop runs
         self._core: EngineCore | None = None
         self._unavailable: str | None = None
         self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
@@ -207,7 +206,7 @@ class Llama(llama_cpp.Llama):
         if (self._core is None or suffix is not None or self._logits_all
                 or (kwargs.get("echo") and kwargs.get("logprobs") is not None)):
             # the base class's own loop (it still draws its tokens from generate below)
-            self._dflash_budget = -1 if max_tokens is None else max_tokens
+            self._base_budget = -1 if max_tokens is None else max_tokens
             return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
         return completion.create_completion(self, prompt, None, max_tokens, **kwargs)
 
@@ -258,10 +257,16 @@ class Llama(llama_cpp.Llama):
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                  penalize_nl: bool = True, logits_processor=None, stopping_criteria=None,
-                 grammar=None) -> Iterator[int]:
+                 grammar=None, *, draft_budget: int | None = None,
+                 logprob_rows: tuple[list, int] | None = None) -> Iterator[int]:
         """llama_cpp.Llama.generate's contract (yield tokens until the caller stops), served by the
-        speculative loop when it can be exact, else by the base class."""
-        budget, self._dflash_budget = self._dflash_budget, -1
+        speculative loop when it can be exact, else by the base class.
+
+        draft_budget: no drafts past this many tokens (a completion's max_tokens: the caller
+        usually stops there); logprob_rows: (list, n) that receives each token's
+        ``completion.TokenLogprobs`` with its n best alternatives."""
+        budget = self._base_budget if draft_budget is None else draft_budget
+        self._base_budget = -1
         reason = self._fallback_reason(temp, mirostat_mode)
         if self._core is None or reason is not None:
             self._forget()  # the base class is about to use the context
@@ -270,9 +275,8 @@ class Llama(llama_cpp.Llama):
                 tot = self.speculative_stats_total
                 tot.fallbacks += 1
                 tot.fallback_reasons[reason] = tot.fallback_reasons.get(reason, 0) + 1
-            rows = self._dflash_rows
             try:
-                yield from self._plain(rows, tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                yield from self._plain(logprob_rows, tokens, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                                        temp=temp, repeat_penalty=repeat_penalty, reset=reset,
                                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                        tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
@@ -294,7 +298,8 @@ class Llama(llama_cpp.Llama):
                             presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
                             grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify,
                             grammar_aware_drafting=self.grammar_aware_drafting)
-        yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria)
+        yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria,
+                                   logprob_rows)
 
     def _plain(self, rows, tokens, **kw) -> Iterator[int]:
         """The base class's generator; with logprobs asked for, each token's row is summarised
@@ -320,10 +325,9 @@ class Llama(llama_cpp.Llama):
         super().eval(tokens)
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
-                   stopping_criteria=None) -> Iterator[int]:
+                   stopping_criteria=None, rows: tuple[list, int] | None = None) -> Iterator[int]:
         req = EngineRequest(max_tokens=max_tokens, draft_len=self.draft_n_max, n_min=self.draft_n_min,
                             p_min=self.draft_p_min, draft_budget=budget, reuse_prefix=True, sampling=sp)
-        rows = self._dflash_rows
         # prompt + tokens handed out so far (what the stopping criteria see), without per-token copies
         ids = np.empty(len(toks) + max_tokens, dtype=np.intc)
         ids[:len(toks)] = toks

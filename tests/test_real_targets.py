@@ -1,0 +1,109 @@
+"""The drop-in class speculates on real cb_eval targets: Gemma-3-270M (gemma3) and
+Qwen2.5-Coder-1.5B-Instruct (qwen2), both Q4_K_M from their PyPI part packages.
+
+Neither architecture records layer inputs, so the capture is the cb_eval callback that
+``llama_dflash.Llama`` installs in the one context the base class creates.  With a random-weight
+drafter shaped for each target, greedy output equals plain llama-cpp-python's token for token,
+or differs only where plain llama-cpp-python itself, fed the speculative run's own batches,
+picks the speculative token (certified batch numerics).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+import llama_dflash
+from llama_dflash.api.models import cache_dir, pypi_target
+from llama_dflash.formats import gguf, table
+from llama_dflash.formats.config import DrafterConfig
+from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter  # noqa: F401 (gguf: its source)
+from llama_dflash.verify.certify import certify
+
+PROMPTS = ["def fibonacci(n):\n", "The three primary colours are"]
+N = 16
+
+
+def _sizes(path) -> tuple[int, int, int]:
+    """Hidden size, layers and vocabulary of a GGUF, from a vocab-only load (no weights read)."""
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    m = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+
+    def meta(key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        assert llama_cpp.llama_model_meta_val_str(m, key.encode(), buf, 256) > 0, key
+        return buf.value.decode()
+
+    try:
+        arch = meta("general.architecture")
+        return (int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.block_count")),
+                llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(m)))
+    finally:
+        llama_cpp.llama_model_free(m)
+
+
+@pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-1.5b"])
+def real(request, tmp_path_factory):
+    target = pypi_target(request.param)
+    n_embd, n_layer, n_vocab = _sizes(target)
+    cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
+                        target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
+                        rope_theta=10000.0, rms_eps=1e-6)
+    # written once per machine (copying a 262k-token vocabulary takes half a minute), keyed by
+    # everything that decides its bytes: the config, the format table and the writer
+    key = hashlib.sha256(repr(cfg).encode() + table.header_path().read_bytes()
+                         + Path(gguf.__file__).read_bytes()).hexdigest()[:16]
+    drafter = cache_dir() / "test-drafters" / f"{request.param}-random-{key}.gguf"
+    if not drafter.is_file():
+        drafter.parent.mkdir(exist_ok=True)
+        tmp = drafter.with_suffix(".part")
+        write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=5, std=0.02), target, outtype="f16")
+        tmp.replace(drafter)
+    return request.param, str(target), str(drafter)
+
+
+def _tokens(llm, prompt: str, steps=None) -> list[int]:
+    out = []
+    for tok in llm.generate(llm.tokenize(prompt.encode()), temp=0.0, top_k=1):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) == N:
+            break
+        out.append(tok)
+    return out
+
+
+def test_drop_in_speculates_on_a_real_cb_eval_target(real):
+    name, target, drafter = real
+    steps: list[dict] = []
+    llm = llama_dflash.Llama(target, n_ctx=512, verbose=False, draft_model_path=drafter)
+    llm.on_step = steps.append  # the verify batches, for certification
+    ref = llama_cpp.Llama(target, n_ctx=512, verbose=False)
+    checker = None
+    try:
+        assert llm._core.capture_mode == "cb_eval", name
+        for p in PROMPTS:
+            steps.clear()
+            got, want = _tokens(llm, p), _tokens(ref, p)
+            st = llm.last_speculative_stats
+            assert st.fallback_reason == "" and st.drafted > 0 and st.mode == "greedy", st
+            print(f"\n[{name}] {p!r}: drafted {st.drafted}, accepted {st.accepted}, "
+                  + ("identical" if got == want else "differs"))
+            if got != want:
+                if checker is None:
+                    checker = llama_cpp.Llama(target, n_ctx=512, logits_all=True, verbose=False)
+                prompt = llm.tokenize(p.encode())
+                rep = certify(checker, prompt + want, prompt + got, len(prompt), list(steps))
+                assert rep is not None and rep["certified"], (name, p, rep)
+                print(f"[{name}] certified batch numerics at {rep['position']}: {rep}")
+            else:  # and the completion API on top gives the same text
+                a = llm(p, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+                assert a == ref(p, max_tokens=8, temperature=0.0)["choices"][0]["text"], (name, p)
+    finally:
+        llm.close()
+        ref.close()
+        if checker is not None:
+            checker.close()
