@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -65,13 +66,20 @@ def test_generate_json(artifacts, tmp_path):
     ("--repeat-penalty", "0", "repeat-penalty must be > 0"), ("--repeat-penalty", "-1", "repeat-penalty must be"),
     ("--repeat-penalty", "nan", "repeat-penalty must be"), ("--repeat-penalty", "inf", "repeat-penalty must be"),
     ("--max-tokens", str(2**63), "outside 1.."), ("--draft-len", str(2**31), "outside 0.."),
-    ("--n-ctx", str(2**31), "outside 1.."), ("--seed", str(2**64), "outside -1.."), ("--seed", "-2", "outside -1..")]])
+    ("--n-ctx", str(2**31), "outside 1.."), ("--seed", str(2**64), "outside -1.."), ("--seed", "-2", "outside -1..")]]
+    + [(["inspect", path], want) for path, want in [
+        ("{fifo}", "is not a regular file"), ("{dir}", "is not a regular file"), ("/nonexistent", "file not found"),
+        ("{garbage}", "not a valid GGUF file"), ("{target}", "not a DFlash drafter"), ("{truncated}", "truncated")]])
 def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
     """Every bad value is a one-line error with exit 2 (no traceback, no silent acceptance)."""
     a = artifacts["llama"]
     trunc = tmp_path / "t.gguf"
     trunc.write_bytes(open(a["drafter"], "rb").read()[:5000])
-    args = [x.format(target=a["target"], drafter=a["drafter"], truncated=trunc) for x in args]
+    fifo, garbage = tmp_path / "fifo", tmp_path / "garbage.gguf"
+    os.mkfifo(fifo)  # opening it for reading would block: it must be refused before any read
+    garbage.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    args = [x.format(target=a["target"], drafter=a["drafter"], truncated=trunc, fifo=fifo, dir=tmp_path,
+                     garbage=garbage) for x in args]
     r = run(*args)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

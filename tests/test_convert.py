@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -369,3 +370,24 @@ def test_reduced_vocab_errors(artifacts, tmp_path):
             convert(**kw)
         assert msg in str(e.value), (msg, str(e.value))
         assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("shard,message", [
+    ("../../etc/passwd", "shard name '../../etc/passwd' is not a file name"),
+    ("/etc/passwd", "shard name '/etc/passwd' is not a file name"),
+    ("..", "shard name '..' is not a file name"),
+    (5, "weight_map must map tensor names to shard file names"),
+    (b"\xff\xfe", "not a valid safetensors index"),
+])
+def test_shard_index_cannot_point_outside_the_checkpoint(artifacts, tmp_path, shard, message):
+    hf_dir, _, _ = make_variant(tmp_path, "v1_sharded_bf16")
+    index = hf_dir / "model.safetensors.index.json"
+    if isinstance(shard, bytes):
+        index.write_bytes(shard)
+    else:
+        data = json.loads(index.read_text())
+        first = next(iter(data["weight_map"]))
+        data["weight_map"][first] = shard
+        index.write_text(json.dumps(data))
+    with pytest.raises(ConvertError, match=re.escape(message)):
+        convert_hf_to_gguf(hf_dir, artifacts["llama"]["target"], tmp_path / "out.gguf", outtype="f32")

@@ -118,3 +118,15 @@ def test_generation_parameters(llama):
     g.close()
     with pytest.raises(DFlashError, match="closed"):
         g.generate(toks, 4)
+
+
+def test_every_small_context_size_runs_to_its_end(llama):
+    """Contexts smaller than the drafter's block (down to 2 positions) load and generate to the
+    last position without an abort; greedy output equals plain decoding's."""
+    for n_ctx in range(2, 21):
+        with SpeculativeGenerator(llama["target"], llama["drafter"], n_ctx=n_ctx) as g:
+            toks = g.tokenize("Hello", add_special=False)[:1]
+            spec = g.generate(toks, max_tokens=n_ctx - len(toks), draft_len=15)
+            plain = g.generate(toks, max_tokens=n_ctx - len(toks), draft_len=0)
+            assert spec.tokens == plain.tokens, n_ctx
+            assert len(spec.tokens) == n_ctx - len(toks) or spec.stats.stop_reason == "eos", n_ctx

@@ -636,7 +636,8 @@ static bool init_compute(struct dflash_drafter * d, int32_t n_ctx, char * err, s
     d->def = dflash_state_new(d, err, err_len);
     if (!d->def) return false;
     struct dflash_state * st = d->def;
-    const int32_t n_block = hp->block_size <= n_ctx ? hp->block_size : n_ctx;
+    // a block needs its anchor's position and at least one committed row before it
+    const int32_t n_block = hp->block_size <= n_ctx - 1 ? hp->block_size : n_ctx - 1;
     int32_t n_feat = n_ctx - n_block < DFLASH_INJECT_CHUNK ? n_ctx - n_block : DFLASH_INJECT_CHUNK;
     if (n_feat < 1) n_feat = 1;
     st->n_pending = n_feat;

@@ -12,6 +12,8 @@ class DFlashError(RuntimeError):
 def check_file(path: str | os.PathLike, what: str) -> bytes:
     """The path as bytes for the C core, or FileNotFoundError naming `what` when it is no file."""
     p = os.fspath(path)
-    if not os.path.isfile(p):
+    if not os.path.exists(p):
         raise FileNotFoundError(f"{what} file not found: {p!r}")
+    if not os.path.isfile(p):  # a directory, a FIFO (reading it would block), a device
+        raise FileNotFoundError(f"{what} {p!r} is not a regular file")
     return os.fsencode(p)  # any path the OS takes (undecodable bytes included)

@@ -103,11 +103,16 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> dict[str, LazyTensor]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise SafetensorsError(f"{index}: not a valid safetensors index (weight_map)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SafetensorsError(f"{index}: weight_map must map tensor names to shard file names")
         files = sorted(set(weight_map.values()))
         for fn in files:
+            # shards are files of this directory: no paths out of it
+            if fn in ("", ".", "..") or "/" in fn or "\\" in fn or "\0" in fn:
+                raise SafetensorsError(f"{index}: shard name {fn!r} is not a file name in {d}")
             if not (d / fn).is_file():
                 raise SafetensorsError(f"{index}: shard '{fn}' is missing")
     else:
