@@ -189,3 +189,24 @@ def reference_draft(ref, feats, anchor: int, n: int, embed, head):
         cand, scores = ref.candidate_selector.lattice(z, lg, anchor)
         toks, q = ref.candidate_selector.walk(cand, scores)
     return lg.numpy(), cand.numpy(), scores.numpy(), toks, q
+
+
+def cached_random_drafter(name: str, cfg: DrafterConfig, target, outtype: str = "f16", seed: int = 5):
+    """A random-weight drafter for a real target, written once per machine (copying a large
+    vocabulary takes half a minute), keyed by everything that decides its bytes: the config,
+    the seed, the format table and the writer."""
+    import hashlib
+    from pathlib import Path
+
+    from llama_dflash.cache import cache_dir
+    from llama_dflash.formats import gguf, table
+
+    key = hashlib.sha256(f"{cfg!r}|{seed}|{outtype}".encode() + table.header_path().read_bytes()
+                         + Path(gguf.__file__).read_bytes()).hexdigest()[:16]
+    path = cache_dir() / "test-drafters" / f"{name}-random-{key}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".part")
+        write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=seed, std=0.02), target, outtype=outtype)
+        tmp.replace(path)
+    return path

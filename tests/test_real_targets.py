@@ -11,18 +11,16 @@ picks the speculative token (certified batch numerics).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-from pathlib import Path
 
 import llama_cpp
 import pytest
 
 import llama_dflash
-from llama_dflash.api.models import cache_dir, pypi_target
-from llama_dflash.formats import gguf, table
+from llama_dflash.api.models import pypi_target
 from llama_dflash.formats.config import DrafterConfig
-from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter  # noqa: F401 (gguf: its source)
 from llama_dflash.verify.certify import certify
+
+from models import cached_random_drafter
 
 PROMPTS = ["def fibonacci(n):\n", "The three primary colours are"]
 N = 16
@@ -54,16 +52,7 @@ def real(request, tmp_path_factory):
     cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
                         target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
                         rope_theta=10000.0, rms_eps=1e-6)
-    # written once per machine (copying a 262k-token vocabulary takes half a minute), keyed by
-    # everything that decides its bytes: the config, the format table and the writer
-    key = hashlib.sha256(repr(cfg).encode() + table.header_path().read_bytes()
-                         + Path(gguf.__file__).read_bytes()).hexdigest()[:16]
-    drafter = cache_dir() / "test-drafters" / f"{request.param}-random-{key}.gguf"
-    if not drafter.is_file():
-        drafter.parent.mkdir(exist_ok=True)
-        tmp = drafter.with_suffix(".part")
-        write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=5, std=0.02), target, outtype="f16")
-        tmp.replace(drafter)
+    drafter = cached_random_drafter(request.param, cfg, target)
     return request.param, str(target), str(drafter)
 
 

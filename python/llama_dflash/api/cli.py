@@ -102,7 +102,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from ..core.generator import SpeculativeGenerator
 
     prompt = _prompt(a)
-    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
+    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
+                              exact=a.exact) as g:
         res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a))
     if a.json:
         print(json.dumps(_stats_json(res)))
@@ -112,6 +113,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+EXACT_HELP = ("exact mode: load the target with batch-invariant settings (flash attention, no repacked weights) "
+              "and self-check them, so speculative output is bit-identical to plain decoding")
 DEMO_DRAFT_LEN = 3  # the fastest n for the shipped drafter in bench/results/humaneval.json
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
@@ -135,7 +138,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
                                 target_layers=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,
                                 rope_theta=100000.0, rms_eps=1e-5)
             write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
-    with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
+    with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
+                              exact=not a.default_mode) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
         plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
@@ -155,8 +159,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(spec.text)
     print(_summary("plain      ", plain.stats))
     print(_summary("speculative", spec.stats))
-    print(f"speedup {spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9):.2f}x, "
-          f"greedy outputs identical: {same}")
+    print(f"speedup {spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9):.2f}x")
+    if spec.stats.exact:  # exact mode: identity was checked, token by token, against the plain run
+        print(f"greedy outputs bit-identical: {'yes' if same else 'NO - this is a bug, please report it'} "
+              f"(exact mode, {spec.stats.exact})")
+        return 0 if same else 1
+    print(f"greedy outputs identical: {same} (default mode: verify batches may round differently from "
+          "one-token decoding; --exact checks and removes that)")
     if not same and "plain_margin" in report:
         print(f"first difference at token {report['position']}: top-1/top-2 margins {report['plain_margin']:.3f} "
               f"(plain) / {report['spec_margin']:.3f} (speculative) -> "
@@ -178,7 +187,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         shipped = shipped_drafter()
         drafter = drafter or (str(shipped) if shipped else None)
     llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
-                seed=a.seed, verbose=a.verbose)
+                seed=a.seed, verbose=a.verbose, exact=a.exact)
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
     try:
@@ -318,13 +327,17 @@ def cmd_diff(a: argparse.Namespace) -> int:
     sp = _sampling(a)
     if sp.temperature > 0 and sp.mode == "rejection":
         raise ValueError("rejection mode is not seed-identical to plain decoding by design: diff it with --mode match")
-    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None) as g:
+    with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
+                              exact=a.exact) as g:
         toks = g.tokenize(_prompt(a))
         plain = g.generate(toks, a.max_tokens, draft_len=0, sampling=sp, return_margins=True)
         steps: list[dict] = []
         spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True,
                           on_step=steps.append)
         replay = None
+        if a.exact:  # no numerics to certify: any divergence is a bug
+            report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
+            return _exact_diff(a, report, spec.stats.exact)
         if sp.temperature == 0 and not a.no_replay:
             replay = replay_divergence(a.model, toks, plain, spec, steps, a.n_ctx, a.threads)
         report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0, replay=replay)
@@ -358,6 +371,23 @@ def cmd_diff(a: argparse.Namespace) -> int:
     return 1 if report.get("verdict") == "mismatch" else 0
 
 
+def _exact_diff(a: argparse.Namespace, report: dict, checked: str) -> int:
+    """diff in exact mode: identity expected; a divergence exits 1 with both tokens and margins."""
+    i = report.get("position")
+    if a.json:
+        print(json.dumps({**report, "exact": checked}))
+    elif i is None:
+        print(f"bit-identical: {report['n_tokens']} tokens (tau {report['tau']:.2f}; exact mode, {checked})")
+    else:
+        print(f"DIVERGENCE in exact mode at generated token {i} (a bug: please report it; {checked})")
+        if "plain_token" in report:
+            print(f"  plain      : {report['plain_token']} {report['plain_piece']!r}, top-1/top-2 margin "
+                  f"{report['plain_margin']:.4f}")
+            print(f"  speculative: {report['spec_token']} {report['spec_piece']!r}, top-1/top-2 margin "
+                  f"{report['spec_margin']:.4f}")
+    return 0 if i is None else 1
+
+
 def _prompt(a: argparse.Namespace) -> str:
     if a.prompt_file is None:
         return a.prompt
@@ -378,9 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file")
     _add_common(g)
     _add_sampling(g)
+    g.add_argument("--exact", action="store_true", help=EXACT_HELP)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)
+    d.add_argument("--default-mode", action="store_true",
+                   help="run without exact mode (faster verify batches on some models; output may differ from "
+                        "plain decoding at numerical near-ties, which the demo then classifies)")
     d.set_defaults(draft_len=DEMO_DRAFT_LEN)
     d.set_defaults(func=cmd_demo)
     df = sub.add_parser("diff", help="plain vs speculative side by side; classify the first divergence")
@@ -396,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "copy of the model) to certify a divergence; classify by --eps alone")
     _add_common(df)
     _add_sampling(df)
+    df.add_argument("--exact", action="store_true", help=EXACT_HELP + "; any divergence then exits 1")
     df.set_defaults(func=cmd_diff)
     ch = sub.add_parser("chat", help="interactive streaming chat (default: the embedded model and drafter)")
     ch.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
@@ -408,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0)
     ch.add_argument("--seed", type=_seed, default=0xFFFFFFFF)
     ch.add_argument("--verbose", action="store_true")
+    ch.add_argument("--exact", action="store_true", help=EXACT_HELP)
     ch.set_defaults(func=cmd_chat)
     # `serve` is parsed by the server itself (main() hands it every argument); listed for --help
     sub.add_parser("serve", help="OpenAI-compatible server: llama-dflash serve --model T.gguf --draft_model_path "

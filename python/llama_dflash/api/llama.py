@@ -22,6 +22,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from ..core import exact as exact_mode
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from ..core.sampling import SamplingParams
 from ..core.stats import Acceptance, SpecStats
@@ -58,7 +59,7 @@ _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
-            "grammar_aware_drafting"}
+            "grammar_aware_drafting", "exact"}
 
 
 @dataclass
@@ -115,7 +116,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
                  draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on",
-                 speculative=None, grammar_aware_drafting: bool = True, **kwargs) -> None:
+                 speculative=None, grammar_aware_drafting: bool = True, exact: bool = False, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -147,6 +148,11 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"draft_n_max must be an integer >= 0 (or None), got {draft_n_max!r}")
         if speculation not in ("on", "off", "auto"):
             raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
+        if exact and kwargs.get("flash_attn") is False:
+            raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
+        if exact:
+            kwargs["flash_attn"] = True
+        self.__dict__["_exact"] = bool(exact)  # read by the model_params setter, during the base's init
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
         self.on_step: StepCallback | None = None        # receives each verify step's cache state
@@ -173,8 +179,28 @@ class Llama(llama_cpp.Llama):
             return
         self._core.attach(self._ctx.ctx)
         self._unavailable = self._core.unavailable
-        info = self._core.drafter_info
-        self.draft_n_max = info.block_size - 1 if draft_n_max is None else max(0, min(draft_n_max, info.block_size - 1))
+        limit = self._core.max_draft_len  # the drafter's block - 1 (exact mode: the invariant batches)
+        self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))
+
+    # Exact mode: the base class fills ``self.model_params`` before it loads the model; the
+    # struct it assigns gets exact mode's model setting (no repacked CPU weights) at once.
+    @property
+    def model_params(self):
+        try:
+            return self.__dict__["_dflash_model_params"]
+        except KeyError:
+            raise AttributeError("model_params") from None
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        if self.__dict__.get("_exact"):
+            params.use_extra_bufts = exact_mode.EXACT_SETTINGS["use_extra_bufts"]
+        self.__dict__["_dflash_model_params"] = params
+
+    @property
+    def exact(self) -> bool:
+        """Loaded in exact mode (see ``core.exact``)."""
+        return bool(self.__dict__.get("_exact"))
 
     # The base class assigns ``self._model`` once, right after loading the model and before it
     # creates the context from ``self.context_params``: the engine core is built there, so that
@@ -198,7 +224,8 @@ class Llama(llama_cpp.Llama):
         # n_ctx=0: the base sets it after this; llama.cpp pads a context to a multiple of 256
         n_ctx = -(-(self.context_params.n_ctx or model.n_ctx_train()) // 256) * 256
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
-                                n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads)
+                                n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
+                                exact=self.exact, model_path=self.model_path)
         self._core.prepare_context(self.context_params)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):

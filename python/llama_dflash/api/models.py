@@ -13,15 +13,10 @@ from pathlib import Path
 
 import llama_cpp
 
+from ..cache import cache_dir
+
 _FTYPES = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 _DATA = Path(__file__).resolve().parent.parent / "data"
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("LLAMA_DFLASH_CACHE") or
-             Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-dflash")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def smollm2_q4_1() -> Path:

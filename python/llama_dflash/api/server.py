@@ -77,6 +77,8 @@ class DFlashModelSettings(ModelSettings):
     verify: Literal["match", "rejection"] = Field(default="match", description="T > 0 verification")
     speculation: Literal["on", "off", "auto"] = Field(default="on", description="speculate, never, or when faster")
     grammar_aware_drafting: bool = Field(default=True, description="drafts walk the request's grammar / JSON schema")
+    exact: bool = Field(default=False, description="exact mode: batch-invariant target settings, self-checked "
+                                                   "(speculative output bit-identical to plain decoding)")
 
 
 class DFlashServerSettings(ServerSettings):
@@ -108,7 +110,10 @@ def _make_llama(*args, **kwargs) -> Llama:
     if s is not None:
         kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_n_min=s.draft_n_min,
                       draft_p_min=s.draft_p_min,
-                      verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting)
+                      verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting,
+                      exact=s.exact)
+        if s.exact:
+            kwargs["flash_attn"] = True  # part of exact mode's settings (the proxy passes its default, off)
     return Llama(*args, **kwargs)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .. import _native
 from .._native import ffi, lib
 from ..errors import DFlashError
 from ..formats.config import DrafterConfig
+from . import exact as exact_mode
 from .drafter import Drafter
 from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import SpecStats
@@ -34,6 +36,8 @@ DraftSource = Callable[[Sequence[int], int], Sequence[int]]
 StepCallback = Callable[[dict], None]
 
 CAPTURE_MODES = {"auto": 0, "layer_inp": 1, "cb_eval": 2}
+# exact mode probes verify batches of up to this many rows (drafts of up to 15)
+EXACT_PROBE_ROWS = 16
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw one
 
 
@@ -120,6 +124,7 @@ class Run:
     def _stats(self, st) -> SpecStats:
         s = SpecStats.from_c(st, self.req.draft_len, self.kind)
         s.mode = MODE_NAMES[st.mode]
+        s.exact = self.core.exact.describe() if self.core.exact is not None else ""
         return s
 
 
@@ -134,8 +139,14 @@ class EngineCore(_native.Resource):
 
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
-                 capture_layers: Sequence[int] | None = None) -> None:
+                 capture_layers: Sequence[int] | None = None, exact: bool = False,
+                 model_path: str | os.PathLike | None = None) -> None:
         self._drafter = self._capture = self._engine = None
+        # exact mode: the target was loaded with exact.EXACT_SETTINGS; attach() checks them
+        self._exact_wanted = exact
+        self.exact: exact_mode.Verdict | None = None
+        self._model_path = model_path
+        self._n_threads = n_threads or _native.default_threads()
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {sorted(CAPTURE_MODES)}, got {capture!r}")
         self.n_ctx = n_ctx  # usable positions: min(this, the context's) once attached
@@ -176,6 +187,10 @@ class EngineCore(_native.Resource):
         """Bind the capture and create the engine on the target context (``llama_context *``)."""
         if self.unavailable is not None:
             return
+        if self._exact_wanted:  # before the capture is bound and before the context's first use
+            rows = min(self.max_draft_len + 1, EXACT_PROBE_ROWS)
+            self.exact = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads)
+            exact_mode.require(self.exact)
         err = _native.err_buf()
         ctx_c = _native.ptr("struct llama_context *", ctx)
         if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
@@ -201,8 +216,10 @@ class EngineCore(_native.Resource):
 
     @property
     def max_draft_len(self) -> int:
-        """Longest draft: the drafter's block - 1 (without a drafter, the core's limit)."""
-        return self.drafter_info.block_size - 1 if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+        """Longest draft: the drafter's block - 1 (without a drafter, the core's limit); in exact
+        mode at most the largest batch the self-check found invariant, minus its anchor row."""
+        n = self.drafter_info.block_size - 1 if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+        return min(n, self.exact.max_rows - 1) if self.exact is not None else n
 
     @property
     def feature_width(self) -> int:
@@ -221,6 +238,8 @@ class EngineCore(_native.Resource):
         if self._engine is None:
             raise DFlashError("the engine is closed")
         req.check()
+        if self.exact is not None and req.draft_len > self.max_draft_len:
+            req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
         toks = [int(t) for t in tokens]
         sp = req.sampling
         mode, chain = verification(sp, self._model, self._vocab, self.n_vocab, history=history)

@@ -14,6 +14,7 @@ from llama_cpp import _logger
 from .. import _native
 from ..errors import DFlashError, check_file
 from ..formats.config import DrafterConfig
+from . import exact as exact_mode
 from .engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from .sampling import SamplingParams
 from .stats import SpecStats
@@ -39,6 +40,12 @@ class SpeculativeGenerator(_native.Resource):
     ``capture_layers`` turns capture on without a drafter (HF layer ids), for
     measuring its cost or producing training features.  ``flash_attn``
     defaults to off, like ``llama_cpp.Llama``.
+
+    ``exact=True`` loads the target with ``core.exact.EXACT_SETTINGS`` (flash attention on, no
+    repacked CPU weights) and self-checks that verify batches give bit-identical logits to
+    one-token decoding: greedy output is then token-identical to plain decoding and a seeded
+    match-mode run gives the same text with and without the drafter.  Drafts are capped at the
+    largest invariant batch; a model whose 2-row batches already differ raises DFlashError.
     """
 
     def __init__(
@@ -52,13 +59,18 @@ class SpeculativeGenerator(_native.Resource):
         n_gpu_layers: int = 0,
         capture: str = "auto",
         capture_layers: Sequence[int] | None = None,
-        flash_attn: bool = False,
+        flash_attn: bool | None = None,
+        exact: bool = False,
         verbose: bool | None = False,
     ) -> None:
         self._model = self._ctx = self._core = None
         self.last_stats: SpecStats | None = None
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
+        if exact and flash_attn is False:
+            raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
+        flash_attn = bool(exact or flash_attn)
+        self.exact = bool(exact)
         self.n_threads = n_threads or _native.default_threads()
         self.n_ctx = n_ctx
         model_b = check_file(model_path, "target model")
@@ -70,6 +82,8 @@ class SpeculativeGenerator(_native.Resource):
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        if exact:
+            mparams.use_extra_bufts = exact_mode.EXACT_SETTINGS["use_extra_bufts"]
         self._model = llama_cpp.llama_model_load_from_file(model_b, mparams)
         if not self._model:
             raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
@@ -77,7 +91,8 @@ class SpeculativeGenerator(_native.Resource):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         try:
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
-                                    n_threads=self.n_threads, capture=capture, capture_layers=capture_layers)
+                                    n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
+                                    exact=exact, model_path=model_path)
         except BaseException:
             self.close()
             raise

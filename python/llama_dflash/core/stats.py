@@ -49,6 +49,7 @@ class SpecStats(Acceptance):
     drafter: str = "none"
     mode: str = "greedy"  # greedy | match | rejection (| plain: a drop-in Llama's fallback)
     fallback_reason: str = ""
+    exact: str = ""           # exact mode: what its self-check verified ("" = default mode)
     grammar_cut: int = 0      # drafts the grammar ended early (grammar-aware drafting)
     grammar_skipped: int = 0  # draft slots whose best candidate the grammar forbade (replaced)
     grammar_argmax: int = 0   # greedy rows settled by checking the raw argmax against the grammar alone

@@ -1,0 +1,208 @@
+"""Exact mode, measured: which kernels are batch-invariant, what exact mode costs, identity counts.
+
+Three parts (each can run alone):
+
+- ``invariance``: SmolLM2-135M requantized to every type below; for each, with the default
+  settings (repacked weights, no flash attention) and with exact mode's (core.exact.EXACT_SETTINGS),
+  whether a verify batch of k rows (k = 2 ... 16) and a 64-row prefill give bit-identical logits
+  (and K/V) to one-token decoding -- the self-check's probe, run at every size.
+- ``cost``: one-token decode and k-row verify-batch times, exact vs default settings, interleaved
+  rounds, on the default target and on Qwen2.5-Coder-1.5B (PyPI parts).
+- ``identity``: prompts x (greedy, T = 0.8 x seeds) x drafters (shipped DFlash2, random DFlash v1 and
+  DFlash2) x n, in exact mode and in the default mode: how many speculative runs equal plain decoding
+  token for token.
+
+Usage: python3 bench/bench_exact.py [--parts invariance,cost,identity] [--prompts 50] [--seeds 3]
+                                    [--out bench/results/exact.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _logger
+
+from llama_dflash import SamplingParams, SpeculativeGenerator
+from llama_dflash.api.models import cache_dir, default_target, pypi_target, shipped_drafter, smollm2_q4_1
+from llama_dflash.core import exact
+from llama_dflash.formats.config import DrafterConfig
+from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "F16", "BF16"]
+SETTINGS = {"default": {"use_extra_bufts": True, "flash_attn": False}, "exact": exact.EXACT_SETTINGS}
+SIZES = list(range(2, 17)) + [64]
+
+
+def quantized(t: str) -> Path:
+    dst = cache_dir() / f"SmolLM2-135M-Instruct.{t}.gguf"
+    if dst.is_file():
+        return dst
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{t}")
+    params.allow_requantize = True
+    params.nthread = 2
+    tmp = dst.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(smollm2_q4_1()).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"quantizing to {t} failed")
+    tmp.replace(dst)
+    return dst
+
+
+def load(path: Path, s: dict, n_ctx: int = 256):
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = s["use_extra_bufts"]
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = n_ctx, n_ctx, n_ctx, 2, 2
+    cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if s["flash_attn"]
+                          else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    return model, llama_cpp.llama_init_from_model(model, cp)
+
+
+def part_invariance() -> dict:
+    out = {}
+    for t in TYPES:
+        path = quantized(t)
+        out[t] = {}
+        for name, s in SETTINGS.items():
+            model, ctx = load(path, s)
+            nv = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+            rng = np.random.default_rng(7)
+            out[t][name] = {str(k): exact._probe(ctx, nv, k, rng) for k in SIZES}
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
+            ok = [k for k, d in out[t][name].items() if d == 0.0]
+            print(f"{t:7s} {name:7s} invariant sizes: {','.join(ok) or 'none'}", flush=True)
+    return out
+
+
+def _time_decode(ctx, nv: int, k: int, reps: int) -> float:
+    mem = llama_cpp.llama_get_memory(ctx)
+    rng = np.random.default_rng(0)
+    ts = []
+    for _ in range(reps):
+        llama_cpp.llama_memory_clear(mem, True)
+        exact._decode(ctx, [int(x) for x in rng.integers(0, nv, 32)], 0, nv, False)
+        toks = [int(x) for x in rng.integers(0, nv, k)]
+        t0 = time.perf_counter()
+        exact._decode(ctx, toks, 32, nv, False)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def part_cost(rounds: int = 5) -> dict:
+    out = {}
+    for label, path in (("SmolLM2-135M Q4_0", default_target()), ("Qwen2.5-Coder-1.5B Q4_K_M",
+                                                                    pypi_target("qwen2.5-coder-1.5b"))):
+        loaded = {name: load(path, s) for name, s in SETTINGS.items()}
+        nv = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(loaded["exact"][0]))
+        ms = {name: {k: [] for k in (1, 4, 8, 16)} for name in SETTINGS}
+        for _ in range(rounds):  # interleaved: the two settings see the same machine state
+            for name, (_, ctx) in loaded.items():
+                for k in ms[name]:
+                    ms[name][k].append(_time_decode(ctx, nv, k, 3))
+        out[label] = {name: {str(k): statistics.median(v) for k, v in d.items()} for name, d in ms.items()}
+        out[label]["exact_over_default"] = {str(k): out[label]["exact"][str(k)] / out[label]["default"][str(k)]
+                                            for k in (1, 4, 8, 16)}
+        print(label, json.dumps(out[label]), flush=True)
+        for model, ctx in loaded.values():
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
+    return out
+
+
+def prompts(n: int) -> list[str]:
+    base = [
+        "def merge_sort(xs):\n", "class LinkedList:\n    def __init__(self):", "import os\nfor root, dirs, files in",
+        "Write a haiku about the sea.", "Explain what a hash table is in two sentences.", "Once upon a time, in a",
+        '{"id": 17, "tags": [', "Return a JSON object with keys name and age for Ada Lovelace.",
+        "Traduis en français : il pleut depuis ce matin.", "Übersetze ins Englische: Guten Morgen, wie geht's?",
+        "¿Cuál es la capital de Perú?", "日本の首都は", "a b c a b c a b c a b c", "1, 2, 3, 4, 5, 6,",
+        "SELECT id, name FROM users WHERE", "<html>\n  <body>\n", "The quick brown fox", "Q: What is 17 * 23?\nA:",
+        "List the planets of the solar system:", "#include <stdio.h>\nint main(void) {",
+    ]
+    out = []
+    for i in range(n):
+        p = base[i % len(base)]
+        out.append(p if i < len(base) else f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n")
+    return out
+
+
+def random_drafters() -> dict[str, Path]:
+    base = dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3, head_dim=64, target_layers=[1, 14, 27],
+                mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5)
+    out = {}
+    for name, extra in (("random-v1", dict(block_size=16)),
+                        ("random-v2", dict(block_size=16, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                                           selector_top_k=4, n_vocab=49152))):
+        p = cache_dir() / f"bench-exact-{name}.gguf"
+        if not p.is_file():
+            cfg = DrafterConfig(**base, **extra)
+            write_drafter(p, cfg, random_drafter_tensors(cfg, seed=4, std=0.05), default_target(), outtype="f16")
+        out[name] = p
+    return out
+
+
+def part_identity(n_prompts: int, seeds: int, max_tokens: int) -> dict:
+    drafters = {"shipped-v2": shipped_drafter(), **random_drafters()}
+    out = {}
+    for ftype in ("q4_0", "q8_0"):
+        for mode in ("exact", "default"):
+            for dname, dpath in drafters.items():
+                counts = {}
+                with SpeculativeGenerator(default_target(ftype), dpath, n_ctx=1024, exact=mode == "exact") as g:
+                    for n in (1, 3, 7, 15):
+                        n = min(n, g.max_draft_len)
+                        same = runs = 0
+                        for i, p in enumerate(prompts(n_prompts)):
+                            toks = g.tokenize(p)
+                            for sp in [None] + [SamplingParams(temperature=0.8, seed=s + 1) for s in range(seeds)]:
+                                a = g.generate(toks, max_tokens, draft_len=n, sampling=sp)
+                                b = g.generate(toks, max_tokens, draft_len=0, sampling=sp)
+                                same += a.tokens == b.tokens
+                                runs += 1
+                        counts[str(n)] = {"identical": same, "runs": runs}
+                key = f"{ftype}/{mode}/{dname}"
+                out[key] = counts
+                print(key, json.dumps(counts), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="invariance,cost,identity")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "exact.json"))
+    a = ap.parse_args()
+    _logger.set_verbose(False)
+    llama_cpp.llama_backend_init()
+    parts = a.parts.split(",")
+    path = Path(a.out)
+    res = json.loads(path.read_text()) if path.is_file() else {}
+    res.update(command="python3 bench/bench_exact.py " + " ".join(sys.argv[1:]),
+               date=datetime.datetime.now().isoformat(timespec="seconds"), threads=2,
+               exact_settings=exact.EXACT_SETTINGS)
+    if "invariance" in parts:
+        res["invariance"] = part_invariance()
+    if "cost" in parts:
+        res["cost_ms"] = part_cost()
+    if "identity" in parts:
+        res["identity"] = part_identity(a.prompts, a.seeds, a.max_tokens)
+        res["identity_settings"] = {"prompts": a.prompts, "seeds": a.seeds, "max_tokens": a.max_tokens}
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Exact mode: speculative output bit-identical to plain decoding (strict equality, nothing certified).
+
+A representative subset of the full matrix (bench/bench_exact.py runs it whole): prompts of
+every kind × greedy and T = 0.8 with seeds × DFlash v1 / DFlash2 random-weight drafters and the
+shipped drafter × n = 1, 3, 7, 15, on Q4_0 and Q8_0 llama targets and the Gemma-3 target through
+cb_eval capture; equality with llama_cpp.Llama under the same settings; prompt reuse; the
+self-check refusing configurations that are not batch-invariant (the tests' tiny f32 targets,
+Q4_0 without flash attention).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import llama_cpp
+import pytest
+
+import llama_dflash
+from llama_dflash import DFlashError, SamplingParams, SpeculativeGenerator
+from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
+from llama_dflash.core import exact
+
+from models import cached_random_drafter
+
+PROMPTS = [
+    "def binary_search(xs, x):\n",
+    "Write a haiku about autumn rain.",
+    '{"name": "Ada", "languages": [',
+    "Traduis en français : le chat dort sur le canapé.",
+    "one two three one two three one two three",
+    "SELECT name, COUNT(*) FROM users",
+    "The mitochondria is",
+    "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def _same(g, prompt, n, sampling=None, max_tokens=40):
+    toks = g.tokenize(prompt)
+    a = g.generate(toks, max_tokens, draft_len=n, sampling=sampling)
+    b = g.generate(toks, max_tokens, draft_len=0, sampling=sampling)
+    assert a.stats.exact.startswith("self-check passed"), a.stats.exact
+    return a.tokens == b.tokens, a.stats
+
+
+@pytest.fixture(scope="module")
+def smollm2_random_drafters(tmp_path_factory):
+    """Random-weight DFlash v1 (block 16) and DFlash2 (block 8) drafters shaped for SmolLM2."""
+    from llama_dflash.formats.config import DrafterConfig
+    from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
+
+    d = tmp_path_factory.mktemp("exact")
+    base = dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3, head_dim=64, target_layers=[1, 14, 27],
+                mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5)
+    out = {}
+    for name, extra in (("v1", dict(block_size=16)),
+                        ("v2", dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                                    selector_top_k=4, n_vocab=49152))):
+        cfg = DrafterConfig(**base, **extra)
+        out[name] = d / f"{name}.gguf"
+        write_drafter(out[name], cfg, random_drafter_tensors(cfg, seed=4, std=0.05), default_target(), outtype="f16")
+    return out
+
+
+@pytest.mark.parametrize("which", ["v1", "v2"])
+def test_random_drafters_every_draft_length(smollm2_random_drafters, which):
+    with SpeculativeGenerator(default_target(), smollm2_random_drafters[which], n_ctx=512, exact=True) as g:
+        cap = g.max_draft_len
+        for i, p in enumerate(PROMPTS):
+            n = min((1, 3, 7, 15)[i % 4], cap)  # every draft length, two prompts each
+            same, st = _same(g, p, n, max_tokens=20)
+            assert same, (which, p, n)
+            if i % 2 == 0:
+                same, st = _same(g, p, n, sampling=SamplingParams(temperature=0.8, seed=i + 1), max_tokens=20)
+                assert same and st.mode == "match", (which, p)
+
+
+def test_f32_target_is_refused(artifacts):
+    """The tests' tiny f32 targets: f32 matrix products take another path for 2 rows than for 1."""
+    a = artifacts["llama"]
+    with pytest.raises(DFlashError, match="self-check failed: a 2-row batch differs"):
+        SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, exact=True)
+
+
+@pytest.mark.parametrize("ftype", ["q4_0", "q8_0"])
+def test_shipped_drafter_on_smollm2(ftype):
+    with SpeculativeGenerator(default_target(ftype), shipped_drafter(), n_ctx=1024, exact=True) as g:
+        drafted = 0
+        for i, p in enumerate(PROMPTS if ftype == "q4_0" else PROMPTS[::3]):
+            same, st = _same(g, p, (3, 7)[i % 2], max_tokens=32)
+            assert same, (ftype, p)
+            drafted += st.drafted
+            for seed in (1, 2, 3) if i == 0 else ():
+                same, _ = _same(g, p, 7, sampling=SamplingParams(temperature=0.8, seed=seed), max_tokens=24)
+                assert same, (ftype, p, seed)
+        assert drafted > 0
+
+
+def _reference_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
+    """llama_cpp.Llama under exact mode's settings: flash attention, no repacked weights."""
+    orig = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = exact.EXACT_SETTINGS["use_extra_bufts"]
+        return p
+
+    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
+    try:
+        return llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
+    finally:
+        monkeypatch.undo()
+
+
+def test_drop_in_equals_llama_cpp_under_the_same_settings(monkeypatch):
+    target = str(default_target())
+    llm = llama_dflash.Llama(target, n_ctx=1024, verbose=False, draft_model_path=str(shipped_drafter()), exact=True)
+    ref = _reference_llama(target, monkeypatch, n_ctx=1024)
+    try:
+        assert llm.exact and not llm.model_params.use_extra_bufts
+        for p in PROMPTS[:4]:
+            got = llm(p, max_tokens=32, temperature=0.0)["choices"][0]["text"]
+            assert got == ref(p, max_tokens=32, temperature=0.0)["choices"][0]["text"], p
+            assert llm.last_speculative_stats.exact.startswith("self-check passed")
+            got = llm(p, max_tokens=24, temperature=0.8, seed=5)["choices"][0]["text"]
+            assert got == ref(p, max_tokens=24, temperature=0.8, seed=5)["choices"][0]["text"], p
+        # a second chat turn reuses the first one's KV and drafter cache: still exact
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        for turn in range(2):
+            want = ref.create_chat_completion(msgs, max_tokens=24, temperature=0.0)["choices"][0]["message"]
+            got = llm.create_chat_completion(msgs, max_tokens=24, temperature=0.0)["choices"][0]["message"]
+            assert got["content"] == want["content"], turn
+            msgs += [want, {"role": "user", "content": "And another one?"}]
+        assert llm.last_speculative_stats.n_reused > 0
+    finally:
+        llm.close()
+        ref.close()
+
+
+def test_gemma3_through_cb_eval(tmp_path):
+    from llama_dflash.formats.config import DrafterConfig
+
+    target = str(pypi_target("gemma-3-270m"))
+    cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=8,
+                        target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6)
+    d = cached_random_drafter("gemma-3-270m-exact", cfg, target, seed=2)
+    llm = llama_dflash.Llama(target, n_ctx=512, verbose=False, draft_model_path=str(d), exact=True)
+    try:
+        assert llm._core.capture_mode == "cb_eval"
+        verdict = llm._core.exact
+        assert 2 <= verdict.max_rows and llm.draft_n_max == min(7, verdict.max_rows - 1)
+        plain = llama_dflash.Llama(target, n_ctx=512, verbose=False, exact=True)  # same settings, no drafter
+        for p in PROMPTS[:2]:
+            got = llm(p, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+            assert llm.last_speculative_stats.drafted > 0
+            assert got == plain(p, max_tokens=16, temperature=0.0)["choices"][0]["text"], p
+        plain.close()
+    finally:
+        llm.close()
+
+
+def test_self_check_refuses_a_configuration_that_is_not_invariant(tmp_path, monkeypatch):
+    """Q4_0 without flash attention: a 2-row batch already rounds differently."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    path = str(default_target())
+    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.flash_attn_type = 128, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    try:
+        v = exact.self_check(ctx, model, path, 8, 2)
+        assert v.max_rows == 1 and v.first_diff > 0
+        with pytest.raises(DFlashError, match="self-check failed: a 2-row batch differs"):
+            exact.require(v)
+        cached = json.loads((tmp_path / "exact-verdicts.json").read_text())
+        assert cached[v.key]["max_rows"] == 1
+        assert exact.self_check(ctx, model, path, 8, 2) == v  # the second time from the cache
+    finally:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    with pytest.raises(ValueError, match="needs flash attention"):
+        SpeculativeGenerator(path, exact=True, flash_attn=False)
+
+
+def test_cli_exact_diff_and_demo():
+    target, drafter = str(default_target()), str(shipped_drafter())
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "diff", "--model", target, "--drafter",
+                        drafter, "--prompt", "def quicksort(xs):", "--max-tokens", "48", "--exact", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["identical"] and rep["exact"].startswith("self-check passed")
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "demo", "--max-tokens", "48"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "greedy outputs bit-identical: yes (exact mode, self-check passed" in r.stdout
