@@ -163,7 +163,7 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int) -> dict:
                     for n in (1, 3, 7, 15):
                         n = min(n, g.max_draft_len)
                         same = runs = 0
-                        for i, p in enumerate(prompts(n_prompts)):
+                        for p in prompts(n_prompts):
                             toks = g.tokenize(p)
                             for sp in [None] + [SamplingParams(temperature=0.8, seed=s + 1) for s in range(seeds)]:
                                 a = g.generate(toks, max_tokens, draft_len=n, sampling=sp)
