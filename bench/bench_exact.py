@@ -152,11 +152,12 @@ def random_drafters() -> dict[str, Path]:
     return out
 
 
-def part_identity(n_prompts: int, seeds: int, max_tokens: int) -> dict:
+def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str, ...]) -> dict:
     drafters = {"shipped-v2": shipped_drafter(), **random_drafters()}
     out = {}
     for ftype in ("q4_0", "q8_0"):
-        for mode in ("exact", "default"):
+        for mode in modes:
+            plain: dict = {}  # (prompt, seed) -> tokens: plain decoding does not depend on the drafter
             for dname, dpath in drafters.items():
                 counts = {}
                 with SpeculativeGenerator(default_target(ftype), dpath, n_ctx=1024, exact=mode == "exact") as g:
@@ -165,10 +166,11 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int) -> dict:
                         same = runs = 0
                         for p in prompts(n_prompts):
                             toks = g.tokenize(p)
-                            for sp in [None] + [SamplingParams(temperature=0.8, seed=s + 1) for s in range(seeds)]:
-                                a = g.generate(toks, max_tokens, draft_len=n, sampling=sp)
-                                b = g.generate(toks, max_tokens, draft_len=0, sampling=sp)
-                                same += a.tokens == b.tokens
+                            for seed in [None, *range(1, seeds + 1)]:
+                                sp = None if seed is None else SamplingParams(temperature=0.8, seed=seed)
+                                if (p, seed) not in plain:
+                                    plain[p, seed] = g.generate(toks, max_tokens, draft_len=0, sampling=sp).tokens
+                                same += g.generate(toks, max_tokens, draft_len=n, sampling=sp).tokens == plain[p, seed]
                                 runs += 1
                         counts[str(n)] = {"identical": same, "runs": runs}
                 key = f"{ftype}/{mode}/{dname}"
@@ -183,6 +185,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--modes", default="exact", help="identity in these modes (exact,default)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "exact.json"))
     a = ap.parse_args()
     _logger.set_verbose(False)
@@ -190,15 +193,16 @@ def main() -> None:
     parts = a.parts.split(",")
     path = Path(a.out)
     res = json.loads(path.read_text()) if path.is_file() else {}
-    res.update(command="python3 bench/bench_exact.py " + " ".join(sys.argv[1:]),
-               date=datetime.datetime.now().isoformat(timespec="seconds"), threads=2,
-               exact_settings=exact.EXACT_SETTINGS)
+    run = {"command": "python3 bench/bench_exact.py " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    res.update(threads=2, exact_settings=exact.EXACT_SETTINGS)
+    res.setdefault("runs", {}).update({part: run for part in parts})  # which command measured each part
     if "invariance" in parts:
         res["invariance"] = part_invariance()
     if "cost" in parts:
         res["cost_ms"] = part_cost()
     if "identity" in parts:
-        res["identity"] = part_identity(a.prompts, a.seeds, a.max_tokens)
+        res["identity"] = part_identity(a.prompts, a.seeds, a.max_tokens, tuple(a.modes.split(",")))
         res["identity_settings"] = {"prompts": a.prompts, "seeds": a.seeds, "max_tokens": a.max_tokens}
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")

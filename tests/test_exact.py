@@ -77,10 +77,16 @@ def test_random_drafters_every_draft_length(smollm2_random_drafters, which):
 
 
 def test_f32_target_is_refused(artifacts):
-    """The tests' tiny f32 targets: f32 matrix products take another path for 2 rows than for 1."""
+    """The tests' tiny f32 targets: f32 matrix products take another path for 2 rows than for 1.
+    exact=True refuses them; exact="auto" runs in the default mode and says why in the stats."""
     a = artifacts["llama"]
     with pytest.raises(DFlashError, match="self-check failed: a 2-row batch differs"):
         SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, exact=True)
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, exact="auto") as g:
+        st = g.generate(g.tokenize("Hello"), 8, draft_len=3).stats
+        assert st.exact.startswith("not exact: self-check failed") and st.drafted > 0
+    with pytest.raises(ValueError, match="exact must be"):
+        SpeculativeGenerator(a["target"], exact="yes")
 
 
 @pytest.mark.parametrize("ftype", ["q4_0", "q8_0"])
@@ -133,6 +139,12 @@ def test_drop_in_equals_llama_cpp_under_the_same_settings(monkeypatch):
             assert got["content"] == want["content"], turn
             msgs += [want, {"role": "user", "content": "And another one?"}]
         assert llm.last_speculative_stats.n_reused > 0
+        # a LlamaRAMCache hit restores a saved state: the next generation is still exact
+        for m in (llm, ref):
+            m.set_cache(llama_cpp.LlamaRAMCache())
+        for _ in range(2):
+            got = llm(PROMPTS[0], max_tokens=24, temperature=0.0)["choices"][0]["text"]
+            assert got == ref(PROMPTS[0], max_tokens=24, temperature=0.0)["choices"][0]["text"]
     finally:
         llm.close()
         ref.close()

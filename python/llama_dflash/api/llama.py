@@ -116,7 +116,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
                  draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on",
-                 speculative=None, grammar_aware_drafting: bool = True, exact: bool = False, **kwargs) -> None:
+                 speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -152,7 +152,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
         if exact:
             kwargs["flash_attn"] = True
-        self.__dict__["_exact"] = bool(exact)  # read by the model_params setter, during the base's init
+        if exact not in (False, True, "auto"):
+            raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
+        self.__dict__["_exact"] = exact  # read by the model_params setter, during the base's init
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
         self.on_step: StepCallback | None = None        # receives each verify step's cache state
@@ -198,9 +200,9 @@ class Llama(llama_cpp.Llama):
         self.__dict__["_dflash_model_params"] = params
 
     @property
-    def exact(self) -> bool:
-        """Loaded in exact mode (see ``core.exact``)."""
-        return bool(self.__dict__.get("_exact"))
+    def exact(self) -> bool | str:
+        """Exact mode as asked for (True, "auto" or False; see ``core.exact``)."""
+        return self.__dict__.get("_exact", False)
 
     # The base class assigns ``self._model`` once, right after loading the model and before it
     # creates the context from ``self.context_params``: the engine core is built there, so that

@@ -124,7 +124,9 @@ class Run:
     def _stats(self, st) -> SpecStats:
         s = SpecStats.from_c(st, self.req.draft_len, self.kind)
         s.mode = MODE_NAMES[st.mode]
-        s.exact = self.core.exact.describe() if self.core.exact is not None else ""
+        c = self.core
+        s.exact = c.exact.describe() if c.exact is not None else (f"not exact: {c.exact_unavailable}"
+                                                                 if c.exact_unavailable else "")
         return s
 
 
@@ -139,12 +141,15 @@ class EngineCore(_native.Resource):
 
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
-                 capture_layers: Sequence[int] | None = None, exact: bool = False,
+                 capture_layers: Sequence[int] | None = None, exact: bool | str = False,
                  model_path: str | os.PathLike | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # exact mode: the target was loaded with exact.EXACT_SETTINGS; attach() checks them
+        if exact not in (False, True, "auto"):
+            raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
         self._exact_wanted = exact
         self.exact: exact_mode.Verdict | None = None
+        self.exact_unavailable = ""  # exact="auto" on a target that failed the self-check: why
         self._model_path = model_path
         self._n_threads = n_threads or _native.default_threads()
         if capture not in CAPTURE_MODES:
@@ -189,8 +194,12 @@ class EngineCore(_native.Resource):
             return
         if self._exact_wanted:  # before the capture is bound and before the context's first use
             rows = min(self.max_draft_len + 1, EXACT_PROBE_ROWS)
-            self.exact = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads)
-            exact_mode.require(self.exact)
+            v = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads)
+            if v.max_rows < 2 and self._exact_wanted == "auto":
+                self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
+            else:
+                exact_mode.require(v)
+                self.exact = v
         err = _native.err_buf()
         ctx_c = _native.ptr("struct llama_context *", ctx)
         if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:

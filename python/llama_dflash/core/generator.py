@@ -45,7 +45,8 @@ class SpeculativeGenerator(_native.Resource):
     repacked CPU weights) and self-checks that verify batches give bit-identical logits to
     one-token decoding: greedy output is then token-identical to plain decoding and a seeded
     match-mode run gives the same text with and without the drafter.  Drafts are capped at the
-    largest invariant batch; a model whose 2-row batches already differ raises DFlashError.
+    largest invariant batch; a model whose 2-row batches already differ raises DFlashError
+    (``exact="auto"``: runs in the default mode instead, the reason in every ``stats.exact``).
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class SpeculativeGenerator(_native.Resource):
         capture: str = "auto",
         capture_layers: Sequence[int] | None = None,
         flash_attn: bool | None = None,
-        exact: bool = False,
+        exact: bool | str = False,
         verbose: bool | None = False,
     ) -> None:
         self._model = self._ctx = self._core = None
@@ -70,7 +71,7 @@ class SpeculativeGenerator(_native.Resource):
         if exact and flash_attn is False:
             raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
         flash_attn = bool(exact or flash_attn)
-        self.exact = bool(exact)
+        self.exact = exact
         self.n_threads = n_threads or _native.default_threads()
         self.n_ctx = n_ctx
         model_b = check_file(model_path, "target model")
