@@ -348,11 +348,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
         print(f"identical: {report['n_tokens']} tokens (tau {report['tau']:.2f})")
     else:
         print(f"first divergence at generated token {i}")
-        if "plain_token" in report:
-            print(f"  plain      : {report['plain_token']} {report['plain_piece']!r}, top-1/top-2 margin "
-                  f"{report['plain_margin']:.4f}")
-            print(f"  speculative: {report['spec_token']} {report['spec_piece']!r}, top-1/top-2 margin "
-                  f"{report['spec_margin']:.4f}")
+        _print_tokens(report)
         rp = report.get("replay")
         if rp and rp["gap_in_spec_batches"] is not None:
             print(f"  plain llama-cpp-python's logit gap (its token - the speculative one): "
@@ -371,6 +367,14 @@ def cmd_diff(a: argparse.Namespace) -> int:
     return 1 if report.get("verdict") == "mismatch" else 0
 
 
+def _print_tokens(report: dict) -> None:
+    """Both runs' tokens at the first divergence, with their rows' top-1/top-2 margins."""
+    if "plain_token" in report:
+        for who, k in (("plain      ", "plain"), ("speculative", "spec")):
+            print(f"  {who}: {report[k + '_token']} {report[k + '_piece']!r}, top-1/top-2 margin "
+                  f"{report[k + '_margin']:.4f}")
+
+
 def _exact_diff(a: argparse.Namespace, report: dict, checked: str) -> int:
     """diff in exact mode: identity expected; a divergence exits 1 with both tokens and margins."""
     i = report.get("position")
@@ -380,11 +384,7 @@ def _exact_diff(a: argparse.Namespace, report: dict, checked: str) -> int:
         print(f"bit-identical: {report['n_tokens']} tokens (tau {report['tau']:.2f}; exact mode, {checked})")
     else:
         print(f"DIVERGENCE in exact mode at generated token {i} (a bug: please report it; {checked})")
-        if "plain_token" in report:
-            print(f"  plain      : {report['plain_token']} {report['plain_piece']!r}, top-1/top-2 margin "
-                  f"{report['plain_margin']:.4f}")
-            print(f"  speculative: {report['spec_token']} {report['spec_piece']!r}, top-1/top-2 margin "
-                  f"{report['spec_margin']:.4f}")
+        _print_tokens(report)
     return 0 if i is None else 1
 
 
