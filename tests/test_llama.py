@@ -385,3 +385,20 @@ def test_vocab_only_and_mismatched_drafters(artifacts):
         llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["target"])
     with pytest.raises(FileNotFoundError, match="drafter file not found"):
         llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["target"] + ".missing")
+
+
+def test_calls_after_close_are_clear_errors(artifacts):
+    """llama_cpp.Llama hands freed pointers to libllama after close(); the drop-in raises."""
+    from llama_dflash import DFlashError
+
+    a = artifacts["llama"]
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"])
+    llm.close()
+    llm.close()  # twice is fine
+    calls = [lambda: llm("Hello", max_tokens=4), lambda: llm.tokenize(b"Hello"), lambda: llm.detokenize([1]),
+             lambda: llm.create_chat_completion([{"role": "user", "content": "hi"}]), lambda: llm.eval([1, 2]),
+             lambda: next(llm.generate([1, 2])), llm.n_ctx, lambda: llm.embed("hi"), llm.save_state, llm.n_vocab,
+             llm.token_eos]
+    for call in calls:
+        with pytest.raises(DFlashError, match="this Llama is closed"):
+            call()

@@ -26,7 +26,7 @@ from ..core import exact as exact_mode
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from ..core.sampling import SamplingParams
 from ..core.stats import Acceptance, SpecStats
-from ..errors import check_file
+from ..errors import DFlashError, check_file
 from . import completion
 
 
@@ -209,6 +209,8 @@ class Llama(llama_cpp.Llama):
     # a cb_eval capture is in the params of the one context the base class creates.
     @property
     def _model(self):
+        if self.__dict__.get("_dflash_closed"):
+            raise DFlashError("this Llama is closed (close() was called): create a new one")
         try:
             return self.__dict__["_dflash_target"]
         except KeyError:
@@ -417,6 +419,34 @@ class Llama(llama_cpp.Llama):
             self._core = None
         if hasattr(self, "_stack"):
             super().close()
+            # the model and context are freed: every later use is a clear error, not a crash
+            self.__dict__["_dflash_closed"] = True
+
+    # The tokenizer keeps its own reference to the model: guard it here too.
+    @functools.wraps(llama_cpp.Llama.tokenize)
+    def tokenize(self, *args, **kwargs):
+        self._model  # noqa: B018 (raises once closed)
+        return super().tokenize(*args, **kwargs)
+
+    @functools.wraps(llama_cpp.Llama.detokenize)
+    def detokenize(self, *args, **kwargs):
+        self._model  # noqa: B018 (raises once closed)
+        return super().detokenize(*args, **kwargs)
+
+    # The context, like the model above, is reached through a property so that a closed Llama
+    # raises instead of handing a freed pointer to libllama.
+    @property
+    def _ctx(self):
+        if self.__dict__.get("_dflash_closed"):
+            raise DFlashError("this Llama is closed (close() was called): create a new one")
+        try:
+            return self.__dict__["_dflash_ctx"]
+        except KeyError:
+            raise AttributeError("_ctx") from None
+
+    @_ctx.setter
+    def _ctx(self, ctx) -> None:
+        self.__dict__["_dflash_ctx"] = ctx
 
 
 
