@@ -364,3 +364,27 @@ def test_tools_json_schema_and_logprobs_over_http(server):
     r = httpx.post(server["base"] + "/v1/chat/completions",
                    json={"messages": msgs, "response_format": {"type": "json_schema"}}, timeout=600)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_exact_model_setting_serves_bit_identical_output():
+    """exact=True in the model settings: the served drop-in is loaded in exact mode (flash
+    attention on although the proxy passes its default) and its completions equal plain
+    decoding under the same settings."""
+    import llama_dflash
+    from llama_dflash.api.models import default_target, shipped_drafter
+    from llama_dflash.api.server import DFlashModelSettings
+
+    target = str(default_target())
+    ms = DFlashModelSettings(model=target, draft_model_path=str(shipped_drafter()), n_ctx=512, n_threads=2,
+                             verbose=False, exact=True)
+    plain = llama_dflash.Llama(target, n_ctx=512, n_threads=2, verbose=False, exact=True)  # no drafter
+    try:
+        with _serving([ms]) as base:
+            for p in ("def fizzbuzz(n):", "The moon is"):
+                # (the server's own default repeat_penalty is 1.1: given to both)
+                r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 32, "temperature": 0,
+                                                               "repeat_penalty": 1.1}, timeout=600).json()
+                want = plain(p, max_tokens=32, temperature=0.0, repeat_penalty=1.1)["choices"][0]["text"]
+                assert r["choices"][0]["text"] == want, p
+    finally:
+        plain.close()
