@@ -611,8 +611,6 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
 #undef X
     }
 #undef DUP
-    d->own_embd = ft->w.tok_embd != NULL;
-    d->own_head = ft->w.head != NULL;
     if (ft->w.d2t) {
         // held as I32 (what get_rows takes as indices); read_weights converts the file's I64
         d->w.d2t = ggml_new_tensor_1d(d->ctx_w, GGML_TYPE_I32, d->hp.n_vocab_draft);

@@ -58,6 +58,7 @@ class DFlashDraftModel(LlamaDraftModel):
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
+_CLOSED = "this Llama is closed (close() was called): create a new one"
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
             "grammar_aware_drafting", "exact"}
 
@@ -148,12 +149,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"draft_n_max must be an integer >= 0 (or None), got {draft_n_max!r}")
         if speculation not in ("on", "off", "auto"):
             raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
-        if exact and kwargs.get("flash_attn") is False:
-            raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
+        flash_attn = exact_mode.flash_attn_for(exact, kwargs.get("flash_attn"))
         if exact:
-            kwargs["flash_attn"] = True
-        if exact not in (False, True, "auto"):
-            raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
+            kwargs["flash_attn"] = flash_attn
         self.__dict__["_exact"] = exact  # read by the model_params setter, during the base's init
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
@@ -210,7 +208,7 @@ class Llama(llama_cpp.Llama):
     @property
     def _model(self):
         if self.__dict__.get("_dflash_closed"):
-            raise DFlashError("this Llama is closed (close() was called): create a new one")
+            raise DFlashError(_CLOSED)
         try:
             return self.__dict__["_dflash_target"]
         except KeyError:
@@ -438,7 +436,7 @@ class Llama(llama_cpp.Llama):
     @property
     def _ctx(self):
         if self.__dict__.get("_dflash_closed"):
-            raise DFlashError("this Llama is closed (close() was called): create a new one")
+            raise DFlashError(_CLOSED)
         try:
             return self.__dict__["_dflash_ctx"]
         except KeyError:

@@ -145,8 +145,7 @@ class EngineCore(_native.Resource):
                  model_path: str | os.PathLike | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # exact mode: the target was loaded with exact.EXACT_SETTINGS; attach() checks them
-        if exact not in (False, True, "auto"):
-            raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
+        exact_mode.flash_attn_for(exact, None)  # a valid value (the caller loaded the target accordingly)
         self._exact_wanted = exact
         self.exact: exact_mode.Verdict | None = None
         self.exact_unavailable = ""  # exact="auto" on a target that failed the self-check: why
@@ -166,7 +165,7 @@ class EngineCore(_native.Resource):
             self.unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
         taps = list(capture_layers or [])
         if drafter_path is not None:
-            self._drafter = Drafter(drafter_path, model, n_ctx, n_threads or _native.default_threads())
+            self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
             self.drafter_info = self._drafter.info
             taps = list(self.drafter_info.target_layers)
         self.capture_mode = "none"

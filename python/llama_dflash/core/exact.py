@@ -140,6 +140,16 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
     return v
 
 
+def flash_attn_for(exact: bool | str, flash_attn: bool | None) -> bool | None:
+    """Check an ``exact`` argument (False, True or "auto") and return the flash-attention setting
+    the target must be loaded with: on for exact mode, else the caller's."""
+    if exact not in (False, True, "auto"):
+        raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
+    if exact and flash_attn is False:
+        raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
+    return True if exact else flash_attn
+
+
 def require(v: Verdict) -> None:
     """Exact mode cannot run on a context whose 2-row batches already differ."""
     if v.max_rows < 2:

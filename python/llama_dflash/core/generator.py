@@ -68,9 +68,7 @@ class SpeculativeGenerator(_native.Resource):
         self.last_stats: SpecStats | None = None
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
-        if exact and flash_attn is False:
-            raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
-        flash_attn = bool(exact or flash_attn)
+        flash_attn = bool(exact_mode.flash_attn_for(exact, flash_attn))
         self.exact = exact
         self.n_threads = n_threads or _native.default_threads()
         self.n_ctx = n_ctx

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent.parent
+from .._native import _find
+
 HEADER = "dflash_format.h"
 
 
@@ -166,10 +167,8 @@ def parse(src: str) -> Table:
 
 
 def header_path() -> Path:
-    for cand in (_HERE / HEADER, _HERE.parent.parent / "csrc" / HEADER):
-        if cand.exists():
-            return cand
-    raise ImportError(f"llama_dflash: {HEADER} not found next to the package; reinstall llama-dflash")
+    """The installed header (the source tree's csrc/ when run from a checkout)."""
+    return _find(HEADER)
 
 
 @cache
