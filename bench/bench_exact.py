@@ -9,8 +9,8 @@ Three parts (each can run alone):
 - ``cost``: one-token decode and k-row verify-batch times, exact vs default settings, interleaved
   rounds, on the default target and on Qwen2.5-Coder-1.5B (PyPI parts).
 - ``identity``: prompts x (greedy, T = 0.8 x seeds) x drafters (shipped DFlash2, random DFlash v1 and
-  DFlash2) x n, in exact mode and in the default mode: how many speculative runs equal plain decoding
-  token for token.
+  DFlash2) x n on SmolLM2 Q4_0 and Q8_0, and random drafters on Gemma-3-270M (cb_eval capture), in
+  exact mode and in the default mode: how many speculative runs equal plain decoding token for token.
 
 Usage: python3 bench/bench_exact.py [--parts invariance,cost,identity] [--prompts 50] [--seeds 3]
                                     [--out bench/results/exact.json]
@@ -137,32 +137,58 @@ def prompts(n: int) -> list[str]:
     return out
 
 
-def random_drafters() -> dict[str, Path]:
-    base = dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3, head_dim=64, target_layers=[1, 14, 27],
-                mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5)
+def random_drafters(target: Path, name: str, dims: dict) -> dict[str, Path]:
+    """A random DFlash v1 and a random DFlash2 drafter for ``target`` (written once per machine)."""
     out = {}
-    for name, extra in (("random-v1", dict(block_size=16)),
+    n_vocab = dims.pop("n_vocab")
+    for kind, extra in (("random-v1", dict(block_size=16)),
                         ("random-v2", dict(block_size=16, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
-                                           selector_top_k=4, n_vocab=49152))):
-        p = cache_dir() / f"bench-exact-{name}.gguf"
+                                           selector_top_k=4, n_vocab=n_vocab))):
+        p = cache_dir() / f"bench-exact-{name}-{kind}.gguf"
         if not p.is_file():
-            cfg = DrafterConfig(**base, **extra)
-            write_drafter(p, cfg, random_drafter_tensors(cfg, seed=4, std=0.05), default_target(), outtype="f16")
-        out[name] = p
+            cfg = DrafterConfig(**dims, **extra)
+            tmp = p.with_suffix(".part")
+            write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=4, std=0.05), target, outtype="f16")
+            tmp.replace(p)
+        out[kind] = p
     return out
 
 
-def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str, ...]) -> dict:
-    drafters = {"shipped-v2": shipped_drafter(), **random_drafters()}
-    out = {}
+def targets() -> list[tuple[str, Path, dict[str, Path]]]:
+    """(label, target, drafters): two llama targets with the shipped and random drafters, and Gemma-3
+    (cb_eval capture) with random ones -- no trained drafter exists for it."""
+    smol = dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3, head_dim=64, target_layers=[1, 14, 27],
+                mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5, n_vocab=49152)
+    gemma = dict(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, target_layers=[1, 9, 15],
+                 mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6, n_vocab=262144)
+    out = []
     for ftype in ("q4_0", "q8_0"):
+        out.append((ftype, default_target(ftype), {"shipped-v2": shipped_drafter(),
+                                                  **random_drafters(default_target(), "smollm2", dict(smol))}))
+    g = pypi_target("gemma-3-270m")
+    out.append(("gemma-3-270m", g, random_drafters(g, "gemma3", dict(gemma))))
+    return out
+
+
+def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str, ...], res: dict,
+                  path: Path) -> None:
+    """Fills res["identity"] block by block (target / mode / drafter), saving after each one, so
+    that a stopped run resumes where it stopped: blocks measured with the same settings are kept."""
+    settings = {"prompts": n_prompts, "seeds": seeds, "max_tokens": max_tokens}
+    ident, blocks = res.setdefault("identity", {}), res.setdefault("identity_blocks", {})
+    for key in [k for k in ident if blocks.get(k, {}).get("settings") != settings]:
+        del ident[key]  # measured with other settings: not comparable with this run's blocks
+    for label, target, drafters in targets():
         for mode in modes:
             plain: dict = {}  # (prompt, seed) -> tokens: plain decoding does not depend on the drafter
             for dname, dpath in drafters.items():
+                key = f"{label}/{mode}/{dname}"
+                if key in ident:
+                    print(key, "(kept from", blocks[key]["date"] + ")", json.dumps(ident[key]), flush=True)
+                    continue
                 counts = {}
-                with SpeculativeGenerator(default_target(ftype), dpath, n_ctx=1024, exact=mode == "exact") as g:
-                    for n in (1, 3, 7, 15):
-                        n = min(n, g.max_draft_len)
+                with SpeculativeGenerator(target, dpath, n_ctx=1024, exact=mode == "exact") as g:
+                    for n in sorted({min(n, g.max_draft_len) for n in (1, 3, 7, 15)}):  # the self-check caps n
                         same = runs = 0
                         for p in prompts(n_prompts):
                             toks = g.tokenize(p)
@@ -173,10 +199,11 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str,
                                 same += g.generate(toks, max_tokens, draft_len=n, sampling=sp).tokens == plain[p, seed]
                                 runs += 1
                         counts[str(n)] = {"identical": same, "runs": runs}
-                key = f"{ftype}/{mode}/{dname}"
-                out[key] = counts
+                ident[key] = counts
+                blocks[key] = {"settings": settings, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+                path.write_text(json.dumps(res, indent=1))
                 print(key, json.dumps(counts), flush=True)
-    return out
+    res["identity_settings"] = settings
 
 
 def main() -> None:
@@ -202,8 +229,7 @@ def main() -> None:
     if "cost" in parts:
         res["cost_ms"] = part_cost()
     if "identity" in parts:
-        res["identity"] = part_identity(a.prompts, a.seeds, a.max_tokens, tuple(a.modes.split(",")))
-        res["identity_settings"] = {"prompts": a.prompts, "seeds": a.seeds, "max_tokens": a.max_tokens}
+        part_identity(a.prompts, a.seeds, a.max_tokens, tuple(a.modes.split(",")), res, path)
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")
 

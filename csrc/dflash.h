@@ -136,11 +136,12 @@ struct dflash_token_filter {
  * below p_min (DFlash v1: softmax of the slot's DFLASH_V1_SAMPLE_K best logits;
  * DFlash2: softmax of the selector scores on the walk).  filter (optional): only
  * allowed candidates (v1: among the slot's DFLASH_V1_SAMPLE_K best; DFlash2: the
- * lattice's K).  out_tokens: the ids.  out_logits (optional): n x n_vocab floats,
- * after logit scale and softcap.  Returns the number of tokens drafted, or -1. */
+ * lattice's K).  out_tokens: the ids.  out_conf (optional): each drafted slot's confidence,
+ * as p_min reads it.  out_logits (optional): n x n_vocab floats, after logit scale and
+ * softcap.  Returns the number of tokens drafted, or -1. */
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
-                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_logits,
-                             char * err, size_t err_len);
+                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
+                             float * out_logits, char * err, size_t err_len);
 
 /* Random state of the sampled paths (xoshiro256**). */
 struct dflash_rng {
@@ -217,6 +218,8 @@ typedef int32_t (*dflash_draft_fn)(void * user_data, const int32_t * history, in
                                     int32_t n, int32_t * out);
 
 #define DFLASH_MAX_DRAFT 64
+/* DFLASH_MAX_DRAFT + 1, a verify batch's rows (written as a number for the binding's parser) */
+#define DFLASH_MAX_ROWS 65
 
 struct dflash_stats {
     int32_t n_prompt;
@@ -236,6 +239,12 @@ struct dflash_stats {
     int32_t grammar_cut;   /* drafts the grammar ended early (no allowed candidate at a slot) */
     int32_t grammar_skipped; /* draft slots whose best candidate the grammar forbade (replaced) */
     int32_t grammar_argmax;  /* rows whose raw argmax the grammar allowed (no full-vocabulary pass) */
+    /* adaptive drafting (params.adaptive) */
+    int32_t plain_steps;     /* steps that did not call the drafter (the cost model said it would not pay) */
+    int32_t probes;          /* of the drafted steps: probes while drafting was not paying */
+    int32_t length_hist[DFLASH_MAX_ROWS]; /* steps by the draft length they verified (0 = anchor alone) */
+    double  t_predicted_s;   /* the cost model's prediction of the steps' draft + verify time */
+    float   per_position_expected[DFLASH_MAX_DRAFT]; /* calibrated acceptance, summed over verified slots */
 };
 
 enum dflash_verify_mode {
@@ -273,6 +282,35 @@ struct dflash_engine_params {
     bool     grammar_argmax;
     int32_t  n_min;        /* a draft shorter than this (after p_min / grammar cuts) is dropped:
                               the step verifies the anchor alone (0 = keep every draft) */
+    bool     adaptive;     /* choose each step's draft length in 0..n_draft from the cost model and the
+                              calibrated confidence of the drafted slots (see dflash_engine_set_costs) */
+};
+
+/* ---- cost-aware drafting ------------------------------------------------------
+ * An adaptive step drafts only when the cost model says a draft pays for itself, then
+ * verifies the prefix of the draft that maximises expected committed tokens per second:
+ * k drafted slots are worth their k extra verify rows when the calibrated chance that
+ * they are accepted covers the rows' cost.  The engine refines both tables from the steps
+ * it times; callers persist them between runs (docs/architecture.md §5.9). */
+
+/* Seconds per verify batch of k rows (t_verify[k - 1], k = 1 .. n_rows) and per draft of
+ * n tokens (t_draft[n - 1], n = 1 .. n_draft), on this target, context and machine. */
+struct dflash_costs {
+    int32_t n_rows;
+    double  t_verify[DFLASH_MAX_ROWS];
+    int32_t n_draft;
+    double  t_draft[DFLASH_MAX_DRAFT];
+};
+
+#define DFLASH_CAL_POS  16  /* draft positions calibrated separately (later ones share the last) */
+#define DFLASH_CAL_BINS 10  /* confidence bins of width 0.1 */
+
+/* Calibration of the drafter's confidence into acceptance: per draft position and
+ * confidence bin, how many slots were verified with every earlier slot accepted
+ * (reached) and how many of those were accepted.  Counts decay (recent text matters). */
+struct dflash_calibration {
+    float reached[DFLASH_CAL_POS][DFLASH_CAL_BINS];
+    float accepted[DFLASH_CAL_POS][DFLASH_CAL_BINS];
 };
 
 /* State after one verify step, for tracing and invariant checks. */
@@ -318,6 +356,20 @@ const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);
 void    dflash_engine_set_draft_len(dflash_engine * e, int32_t n);
 /* Forget what the target KV holds (someone else used the context): no prefix reuse next time. */
 void    dflash_engine_forget(dflash_engine * e);
+
+/* Time verify batches of 1 .. n_rows rows and drafts of 1 .. n_draft tokens (a sample of
+ * the sizes, interpolated; the drafter's if there is one) after a short prefix, and set
+ * them as the engine's costs.  Uses the context: clears its KV and the drafter's cache. */
+int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n_draft, struct dflash_costs * out,
+                                    char * err, size_t err_len);
+/* The cost model and calibration adaptive steps use (set: e.g. from a previous run's get). */
+void    dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * costs);
+bool    dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * out); /* false: none set */
+/* The cost model's seconds for a step that drafts n_draft tokens and verifies k of them (a plain
+ * step: 0, 0), at the machine's current speed. */
+double  dflash_engine_step_cost(const dflash_engine * e, int32_t n_draft, int32_t k);
+void    dflash_engine_set_calibration(dflash_engine * e, const struct dflash_calibration * cal);
+void    dflash_engine_get_calibration(const dflash_engine * e, struct dflash_calibration * out);
 
 /* The whole generation (start + steps).  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus

@@ -8,12 +8,15 @@
 #include "dflash.h"
 
 #include "common.h"
+#include "policy.h"
 
 #include "llama.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+_Static_assert(DFLASH_MAX_ROWS == DFLASH_MAX_DRAFT + 1, "dflash.h: DFLASH_MAX_ROWS");
 
 struct dflash_engine {
     struct llama_context * ctx;
@@ -44,6 +47,7 @@ struct dflash_engine {
     double t_start;
     int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
     float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
+    struct dflash_policy policy;           // adaptive draft lengths: the cost model and calibration
 };
 
 dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
@@ -80,6 +84,7 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
     e->n_batch = (int32_t) llama_n_batch(tctx);
     e->drafter = d;
     e->capture = c;
+    dflash_policy_init(&e->policy);
     e->batch = llama_batch_init(e->n_batch > DFLASH_MAX_DRAFT + 1 ? e->n_batch : DFLASH_MAX_DRAFT + 1, 0, 1);
     e->p = malloc(sizeof(float) * (size_t) e->n_vocab);
     e->cur = malloc(sizeof(llama_token_data) * (size_t) e->n_vocab);
@@ -418,6 +423,14 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     if (n < 0) n = 0;
     const int32_t anchor = e->history[e->n_hist - 1];
 
+    // Adaptive: the cost model decides whether to draft and how much (docs/architecture.md §5.9).
+    const bool adaptive = params->adaptive && n > 0;
+    bool probe = false;
+    if (adaptive) n = dflash_policy_plan(&e->policy, n, &probe);
+    float conf_buf[DFLASH_MAX_DRAFT];
+    float * conf = NULL;  // each drafted slot's confidence, when the drafter gives one
+    float expected[DFLASH_MAX_DRAFT];
+
     const double ta = dflash_now();
     int32_t n_drafted = 0;
     struct dflash_token_filter grammar_filter = { grammar_allowed, grammar_accept, NULL, 0, false };
@@ -444,7 +457,18 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
             n_drafted = dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, gf,
                                                     drafts, e->q_cand, e->q_prob, &q_k, err, err_len);
         } else if (e->drafter) {
-            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, gf, drafts, NULL, err, err_len);
+            conf = adaptive ? conf_buf : NULL;
+            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, gf, drafts, conf, NULL, err,
+                                             err_len);
+        }
+        if (adaptive && rejection && n_drafted > 0) {  // a sampled slot's confidence: its q
+            conf = conf_buf;
+            for (int32_t i = 0; i < n_drafted; i++) {
+                conf[i] = 0.0f;
+                for (int32_t j = 0; j < q_k; j++) {
+                    if (e->q_cand[(size_t) i * q_k + j] == drafts[i]) conf[i] = e->q_prob[(size_t) i * q_k + j];
+                }
+            }
         }
         if (n_drafted < 0) {
             if (gf) llama_sampler_free(gf->ud);
@@ -463,6 +487,15 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
             llama_sampler_free(gf->ud);
         }
         if (n_drafted < params->n_min) n_drafted = 0; // too short to pay for its verification
+    }
+    const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
+    if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
+    if (adaptive) {
+        st->t_predicted_s +=
+            dflash_policy_t_draft(&e->policy, n_made) + dflash_policy_t_verify(&e->policy, n_drafted + 1);
+        st->plain_steps += n_made == 0;
+        st->probes += probe;
+        for (int32_t i = 0; i < n_drafted; i++) st->per_position_expected[i] += expected[i];
     }
     const double tb = dflash_now();
 
@@ -530,7 +563,9 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     e->n_past += n_keep;
     e->n_gen += n_out;
 
+    dflash_policy_observe(&e->policy, adaptive, n_made, conf, n_drafted, n_acc, n_out, tb - ta, tc - tb);
     st->steps++;
+    st->length_hist[n_drafted]++;
     st->drafted += n_drafted;
     st->accepted += n_acc;
     for (int32_t i = 0; i < n_drafted; i++) {
@@ -569,6 +604,151 @@ void dflash_engine_set_draft_len(dflash_engine * e, int32_t n) {
 void dflash_engine_forget(dflash_engine * e) {
     e->n_past = 0;
     e->active = false;
+}
+
+// The sizes timed (the rest interpolated): every size up to 6, then every other one.
+static bool timed_size(int32_t k, int32_t last) { return k <= 6 || k % 2 == 0 || k == last; }
+
+static void interpolate(double * t, int32_t n, const bool * have) {
+    for (int32_t k = 1; k <= n; k++) {
+        if (have[k - 1]) continue;
+        int32_t lo = k - 1, hi = k + 1;
+        while (!have[lo - 1]) lo--;
+        while (!have[hi - 1]) hi++;
+        t[k - 1] = t[lo - 1] + (t[hi - 1] - t[lo - 1]) * (k - lo) / (double) (hi - lo);
+    }
+}
+
+int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n_draft, struct dflash_costs * out,
+                                    char * err, size_t err_len) {
+    enum { PREFIX = 32, REPS = 2 };
+    if (n_rows < 1 || n_rows > DFLASH_MAX_DRAFT + 1) {
+        dflash_seterr(err, err_len, "cost rows must be in 1..%d (got %d)", DFLASH_MAX_DRAFT + 1, n_rows);
+        return -1;
+    }
+    if (n_draft < 0 || n_draft > DFLASH_MAX_DRAFT) {
+        dflash_seterr(err, err_len, "cost draft length must be in 0..%d (got %d)", DFLASH_MAX_DRAFT, n_draft);
+        return -1;
+    }
+    if (!e->drafter) n_draft = 0;
+    if (e->drafter) {
+        struct dflash_drafter_info info;
+        dflash_drafter_get_info(e->drafter, &info);
+        if (n_draft > info.block_size - 1) n_draft = info.block_size - 1;
+    }
+    if (PREFIX + n_rows + 1 > e->n_ctx || n_rows > e->n_batch) {
+        dflash_seterr(err, err_len, "the context (%d) or batch (%d) is too small to time %d-row batches", e->n_ctx,
+                      e->n_batch, n_rows);
+        return -1;
+    }
+    int32_t toks[PREFIX + DFLASH_MAX_DRAFT + 1];
+    for (int32_t i = 0; i < PREFIX + n_rows; i++) toks[i] = (int32_t) ((1000 + 31 * i) % e->n_vocab);
+    llama_memory_t mem = llama_get_memory(e->ctx);
+    dflash_engine_forget(e);
+    llama_memory_clear(mem, true);
+    if (e->drafter) dflash_drafter_reset(e->drafter);
+    struct dflash_costs c;
+    memset(&c, 0, sizeof(c));
+    bool have[DFLASH_MAX_DRAFT + 1] = { false };
+    const float * feats = NULL;
+    int32_t rc = decode(e, toks, PREFIX, 0, PREFIX, &feats, err, err_len);
+    if (rc == 0 && e->drafter) rc = dflash_drafter_push(e->drafter, feats, PREFIX, err, err_len);
+    // a warm-up batch, then each size as a verify step decodes it: every row's logits
+    for (int32_t k = 0; rc == 0 && k <= n_rows; k++) {
+        if (k > 0 && !timed_size(k, n_rows)) continue;
+        double best = INFINITY;
+        for (int32_t r = 0; rc == 0 && r < REPS; r++) {
+            const double t0 = dflash_now();
+            rc = decode(e, toks + PREFIX, k > 0 ? k : 1, PREFIX, 0, &feats, err, err_len);
+            const double t = dflash_now() - t0;
+            best = t < best ? t : best;
+            if (!llama_memory_seq_rm(mem, 0, PREFIX, -1)) {
+                dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+                rc = -1;
+            }
+        }
+        if (k > 0) {
+            c.t_verify[k - 1] = best;
+            have[k - 1] = true;
+        }
+    }
+    // drafts as an adaptive step makes them (with each slot's confidence); the first one also
+    // injects the prefix's features and is not timed
+    float conf[DFLASH_MAX_DRAFT];
+    int32_t dtok[DFLASH_MAX_DRAFT];
+    bool have_d[DFLASH_MAX_DRAFT] = { false };
+    for (int32_t n = 0; rc == 0 && e->drafter && n <= n_draft; n++) {
+        if (n > 0 && !timed_size(n, n_draft)) continue;
+        double best = INFINITY;
+        for (int32_t r = 0; rc == 0 && r < REPS; r++) {
+            const double t0 = dflash_now();
+            if (dflash_drafter_draft(e->drafter, toks[PREFIX], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
+                                     err_len) < 0) {
+                rc = -1;
+            }
+            const double t = dflash_now() - t0;
+            best = t < best ? t : best;
+        }
+        if (n > 0) {
+            c.t_draft[n - 1] = best;
+            have_d[n - 1] = true;
+        }
+    }
+    llama_memory_clear(mem, true);
+    if (e->drafter) dflash_drafter_reset(e->drafter);
+    if (rc != 0) return -1;
+    c.n_rows = n_rows;
+    c.n_draft = n_draft;
+    interpolate(c.t_verify, n_rows, have);
+    interpolate(c.t_draft, n_draft, have_d);
+    dflash_engine_set_costs(e, &c);
+    if (out) *out = c;
+    return 0;
+}
+
+void dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * costs) {
+    struct dflash_costs c = *costs;
+    if (c.n_rows < 0 || c.n_rows > DFLASH_MAX_DRAFT + 1) c.n_rows = 0;
+    if (c.n_draft < 0 || c.n_draft > DFLASH_MAX_DRAFT) c.n_draft = 0;
+    for (int32_t k = 0; k < c.n_rows; k++) {
+        if (!(c.t_verify[k] > 0.0) || !isfinite(c.t_verify[k])) c.n_rows = 0;  // unusable: the defaults
+    }
+    for (int32_t n = 0; n < c.n_draft; n++) {
+        if (!(c.t_draft[n] >= 0.0) || !isfinite(c.t_draft[n])) c.n_draft = 0;
+    }
+    e->policy.costs = c;
+    e->policy.have_costs = c.n_rows > 0;
+    e->policy.speed = 1.0;
+}
+
+bool dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * out) {
+    struct dflash_costs c = e->policy.costs;  // the refined curves, in seconds at today's speed
+    for (int32_t k = 0; k < c.n_rows; k++) c.t_verify[k] *= e->policy.speed;
+    for (int32_t n = 0; n < c.n_draft; n++) c.t_draft[n] *= e->policy.speed;
+    *out = c;
+    return e->policy.have_costs;
+}
+
+double dflash_engine_step_cost(const dflash_engine * e, int32_t n_draft, int32_t k) {
+    return dflash_policy_t_draft(&e->policy, n_draft) + dflash_policy_t_verify(&e->policy, k + 1);
+}
+
+void dflash_engine_set_calibration(dflash_engine * e, const struct dflash_calibration * cal) {
+    struct dflash_calibration c = *cal;
+    for (int32_t i = 0; i < DFLASH_CAL_POS; i++) {
+        for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {  // counts: finite, >= 0, accepted <= reached
+            float r = c.reached[i][b], a = c.accepted[i][b];
+            r = isfinite(r) && r > 0.0f ? r : 0.0f;
+            a = isfinite(a) && a > 0.0f ? (a < r ? a : r) : 0.0f;
+            c.reached[i][b] = r;
+            c.accepted[i][b] = a;
+        }
+    }
+    dflash_policy_set_calibration(&e->policy, &c);
+}
+
+void dflash_engine_get_calibration(const dflash_engine * e, struct dflash_calibration * out) {
+    *out = e->policy.cal;
 }
 
 int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,

@@ -178,18 +178,18 @@ int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, i
 // ---- drafts of the drafter's own state (the single-sequence API) ----------------
 
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
-                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_logits, char * err,
-                             size_t err_len) {
+                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
+                             float * out_logits, char * err, size_t err_len) {
     struct dflash_state * st = d->def;
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
-    if (!(p_min > 0.0f) && !filter) {
+    if (!(p_min > 0.0f) && !filter && !out_conf) {
         return dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
     }
     // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
     const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
     int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
     float * q = malloc(sizeof(float) * (size_t) n * K);
-    struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, 0, filter };
+    struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, out_conf, 0, filter };
     const int32_t rc = dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
     free(cand);
     free(q);
@@ -206,7 +206,7 @@ int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t 
         return -1;
     }
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
-    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, 0, filter };
+    struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, NULL, 0, filter };
     if (dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return req.n_out;

@@ -98,6 +98,7 @@ struct dflash_sample_req {
     float * q;        // n x k
     int32_t k;
     float p_min;      // greedy: stop at the first slot less confident than this
+    float * conf;     // greedy (optional): each drafted slot's confidence, as p_min reads it
     int32_t n_out;    // tokens produced
     struct dflash_token_filter * filter;  // optional: only allowed candidates
 };

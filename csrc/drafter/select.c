@@ -95,8 +95,10 @@ int32_t dflash_walk(const struct dflash_drafter_info * hp, const int32_t * cand,
         if (best < 0) return k;
         if (samp && samp->rng) {
             memcpy(samp->cand + (size_t) k * K, cand + (size_t) k * K, sizeof(int32_t) * K);
-        } else if (samp && samp->p_min > 0.0f && dflash_softmax_at(row, K, best) < samp->p_min) {
-            return k;
+        } else if (samp && (samp->p_min > 0.0f || samp->conf)) {
+            const float c = dflash_softmax_at(row, K, best);
+            if (c < samp->p_min) return k;
+            if (samp->conf) samp->conf[k] = c;
         }
         out_tokens[k] = cand[k * K + best];
         prev = best;
@@ -111,7 +113,12 @@ int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_
     for (int32_t k = 0; k < n; k++) {
         const float * x = logits + (size_t) k * K;
         const int32_t j = dflash_choose(x, cand + (size_t) k * K, K, samp, samp->q + (size_t) k * K);
-        if (j < 0 || (!samp->rng && samp->p_min > 0.0f && dflash_softmax_at(x, K, j) < samp->p_min)) return k;
+        if (j < 0) return k;
+        if (!samp->rng && (samp->p_min > 0.0f || samp->conf)) {
+            const float c = dflash_softmax_at(x, K, j);
+            if (c < samp->p_min) return k;
+            if (samp->conf) samp->conf[k] = c;
+        }
         out_tokens[k] = cand[(size_t) k * K + j];
     }
     return n;

@@ -33,7 +33,7 @@ def _cdef_from_header(text: str) -> str:
             if s.startswith("#endif"):
                 skip_cpp = False
             continue
-        m = re.match(r"#define\s+(\w+)\s+(\d+)\s*$", s)
+        m = re.match(r"#define\s+(\w+)\s+(\d+)\s*(/\*.*\*/)?\s*$", s)  # (a trailing comment allowed)
         if m:
             out.append(f"#define {m.group(1)} {m.group(2)}")
             continue

@@ -1,9 +1,13 @@
-"""The per-user cache folder (requantized models, assembled targets, exact-mode verdicts)."""
+"""The per-user cache folder (requantized models, assembled targets, exact-mode verdicts, cost
+models) and the small JSON stores in it, keyed by what decides their contents."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def cache_dir() -> Path:
@@ -12,3 +16,45 @@ def cache_dir() -> Path:
              Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-dflash")
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def file_id(path: str | os.PathLike) -> list:
+    """A file as a cache key sees it: where it is, its size and modification time."""
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def build_id() -> list:
+    """The llama.cpp build the kernels come from: llama-cpp-python's version and its libllama."""
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib" / "libllama.so"
+    return [llama_cpp.__version__, *(file_id(lib)[1:] if lib.exists() else [0, 0])]
+
+
+def key_of(*parts: Any) -> str:
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+class JsonStore:
+    """One JSON file of entries under the cache folder; a damaged file reads as empty."""
+
+    def __init__(self, name: str) -> None:
+        self.path = cache_dir() / name
+
+    def _read(self) -> dict:
+        try:
+            d = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return d if isinstance(d, dict) else {}
+
+    def get(self, key: str) -> Any | None:
+        return self._read().get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        d = self._read()
+        d[key] = value
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # two processes never share a temporary file
+        tmp.write_text(json.dumps(d, indent=1))
+        tmp.replace(self.path)

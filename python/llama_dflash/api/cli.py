@@ -57,9 +57,16 @@ def _seed(text: str) -> int:
     return 0xFFFFFFFF if v == -1 else v
 
 
+SPECULATION = ["auto", "on", "off"]
+SPECULATION_HELP = ("auto: draft only when the measured cost model says it pays, and verify the most profitable "
+                    "prefix of each draft; on: draft --draft-len tokens every step; off: plain decoding")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_int(1), default=128)
-    p.add_argument("--draft-len", type=_int(0, 64), default=None, help="tokens drafted per step (default: block - 1)")
+    p.add_argument("--draft-len", type=_int(0, 64), default=None,
+                   help="longest draft per step (auto) / tokens drafted per step (on); default: block - 1")
+    p.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     p.add_argument("--n-ctx", type=_int(1, 2**24), default=2048)
     p.add_argument("--threads", type=_int(1, 1024), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -93,9 +100,13 @@ def _stats_json(res) -> dict:
 
 
 def _summary(label: str, s) -> str:
-    return (f"{label} ({s.mode}): {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
+    line = (f"{label} ({s.mode}): {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
             f"accepted {s.accepted}/{s.drafted}, draft {s.t_draft_s * 1e3:.0f} ms, "
             f"verify {s.t_verify_s * 1e3:.0f} ms, other {s.t_other_s * 1e3:.0f} ms")
+    if s.adaptive:
+        line += (f"\n  adaptive: {s.plain_steps} of {s.steps} steps plain, verified draft lengths "
+                 f"{dict(enumerate(s.lengths))}, predicted {s.t_predicted_s * 1e3:.0f} ms of draft + verify")
+    return line
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -104,7 +115,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompt = _prompt(a)
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
                               exact=a.exact) as g:
-        res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a))
+        res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a),
+                         speculation=a.speculation)
     if a.json:
         print(json.dumps(_stats_json(res)))
     else:
@@ -115,7 +127,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 EXACT_HELP = ("exact mode: load the target with batch-invariant settings (flash attention, no repacked weights) "
               "and self-check them, so speculative output is bit-identical to plain decoding")
-DEMO_DRAFT_LEN = 3  # the fastest n for the shipped drafter in bench/results/humaneval.json
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -143,13 +154,19 @@ def cmd_demo(a: argparse.Namespace) -> int:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
         plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
-        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False, return_margins=True)
+        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False, return_margins=True,
+                          speculation=a.speculation)
         report = divergence_report(g, plain, spec, 0.1)
+        # the ceiling of any length policy: a run at n_max says what the drafter gets accepted
+        steps: list[dict] = []
+        g.generate(toks, a.max_tokens, draft_len=g.max_draft_len, speculation="on", stop_on_eos=False,
+                   on_step=steps.append)
+        ceiling = (plain.stats.n_generated - 1) / g.oracle_seconds([s["accepted"] for s in steps])
     same = plain.tokens == spec.tokens
     if a.json:
         print(json.dumps({"target": str(target), "drafter": str(drafter), "trained_drafter": trained,
                           "identical": same, "divergence": report, "plain": _stats_json(plain),
-                          "speculative": _stats_json(spec)}))
+                          "speculative": _stats_json(spec), "ceiling_tokens_per_s": ceiling}))
         return 0
     print(f"target : {target}")
     print(f"drafter: {drafter}" + ("  (the shipped DFlash2 drafter; its training and measured results: "
@@ -159,7 +176,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(spec.text)
     print(_summary("plain      ", plain.stats))
     print(_summary("speculative", spec.stats))
-    print(f"speedup {spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9):.2f}x")
+    base = max(plain.stats.tokens_per_s, 1e-9)
+    gain = (spec.stats.tokens_per_s - base) / max(ceiling - base, 1e-9)
+    print(f"speedup {spec.stats.tokens_per_s / base:.2f}x ({a.speculation}); ceiling {ceiling / base:.2f}x "
+          f"(the best draft lengths with this drafter at the measured costs)"
+          + (f", reached {100 * gain:.0f} % of its gain" if ceiling > base else ""))
     if spec.stats.exact:  # exact mode: identity was checked, token by token, against the plain run
         print(f"greedy outputs bit-identical: {'yes' if same else 'NO - this is a bug, please report it'} "
               f"(exact mode, {spec.stats.exact})")
@@ -187,7 +208,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         shipped = shipped_drafter()
         drafter = drafter or (str(shipped) if shipped else None)
     llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
-                seed=a.seed, verbose=a.verbose, exact=a.exact)
+                seed=a.seed, verbose=a.verbose, exact=a.exact, speculation=a.speculation)
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
     try:
@@ -333,7 +354,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
         plain = g.generate(toks, a.max_tokens, draft_len=0, sampling=sp, return_margins=True)
         steps: list[dict] = []
         spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True,
-                          on_step=steps.append)
+                          on_step=steps.append, speculation=a.speculation)
         replay = None
         if a.exact:  # no numerics to certify: any divergence is a bug
             report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
@@ -415,7 +436,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--default-mode", action="store_true",
                    help="run without exact mode (faster verify batches on some models; output may differ from "
                         "plain decoding at numerical near-ties, which the demo then classifies)")
-    d.set_defaults(draft_len=DEMO_DRAFT_LEN)
     d.set_defaults(func=cmd_demo)
     df = sub.add_parser("diff", help="plain vs speculative side by side; classify the first divergence")
     df.add_argument("--model", required=True)
@@ -438,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--max-tokens", type=_int(1), default=256)
     ch.add_argument("--draft-len", type=_int(0, 64), default=None)
+    ch.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     ch.add_argument("--n-ctx", type=_int(1, 2**24), default=4096)
     ch.add_argument("--threads", type=_int(1, 1024), default=None)
     ch.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0)

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import inspect
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -99,8 +98,10 @@ class Llama(llama_cpp.Llama):
     draft_p_min: cut drafts at the first slot less confident than this.
     verify: "match" (seeded output identical to plain decoding) or "rejection"
     (speculative sampling with the drafter's q: same distribution, other random stream).
-    speculation: "on", "off", or "auto" (measure plain and speculative steps early in each
-    generation and draft no more when speculation is slower; output unchanged either way).
+    speculation: "auto" (default: each step drafts only when the measured cost model says it
+    pays, and verifies the prefix of the draft that maximises expected tokens per second; see
+    docs/architecture.md §5.9), "on" (draft_n_max tokens every step) or "off"; the output is
+    the same either way.
     grammar_aware_drafting: with a grammar (or JSON schema, or forced tool call), drafts walk a
     copy of the grammar state: forbidden candidates are skipped and a draft ends where the
     grammar allows none of them.
@@ -116,7 +117,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
-                 draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "on",
+                 draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "auto",
                  speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
@@ -227,7 +228,8 @@ class Llama(llama_cpp.Llama):
         n_ctx = -(-(self.context_params.n_ctx or model.n_ctx_train()) // 256) * 256
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
-                                exact=self.exact, model_path=self.model_path)
+                                exact=self.exact, model_path=self.model_path,
+                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu")
         self._core.prepare_context(self.context_params)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
@@ -356,19 +358,17 @@ class Llama(llama_cpp.Llama):
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None, rows: tuple[list, int] | None = None) -> Iterator[int]:
         req = EngineRequest(max_tokens=max_tokens, draft_len=self.draft_n_max, n_min=self.draft_n_min,
-                            p_min=self.draft_p_min, draft_budget=budget, reuse_prefix=True, sampling=sp)
+                            p_min=self.draft_p_min, draft_budget=budget, reuse_prefix=True,
+                            adaptive=self.speculation == "auto", sampling=sp)
         # prompt + tokens handed out so far (what the stopping criteria see), without per-token copies
         ids = np.empty(len(toks) + max_tokens, dtype=np.intc)
         ids[:len(toks)] = toks
         n_ids = len(toks)
         with self._core.run(toks, req, draft_source=self.draft_source, on_step=self.on_step, history=toks) as run:
-            auto = _AutoSpeculation(run, self.draft_n_max) if self.speculation == "auto" else None
             try:
                 for step in run.steps():
                     if self.stop_requested.is_set() and n_ids > len(toks):
                         return
-                    if auto is not None:
-                        auto.observe(len(step))
                     for k, t in enumerate(step):
                         # As in llama_cpp.Llama.generate: the criteria see the tokens before this one and
                         # the row that produced it -- only verified tokens, never drafts.
@@ -384,8 +384,6 @@ class Llama(llama_cpp.Llama):
             finally:
                 with contextlib.suppress(Exception):
                     self._record_stats(run.stats())
-                    if auto is not None and auto.reason:
-                        self.last_speculative_stats.fallback_reason = auto.reason
                 # Tell the base class what the KV cache now holds (everything committed but the last
                 # token), so that its own prefix matching and bookkeeping stay true.
                 kv_len = self._engine_kv_len()
@@ -445,45 +443,3 @@ class Llama(llama_cpp.Llama):
     @_ctx.setter
     def _ctx(self, ctx) -> None:
         self.__dict__["_dflash_ctx"] = ctx
-
-
-
-class _AutoSpeculation:
-    """speculation="auto": a few plain steps measure the target's own speed, then speculative
-    steps measure theirs; drafting stops for the rest of the generation when it is slower.
-    Output is unchanged either way (both are exact)."""
-
-    PLAIN_STEPS = 3
-    SPEC_STEPS = 6
-
-    def __init__(self, run, draft_len: int) -> None:
-        self.run, self.draft_len = run, draft_len
-        self.phase = "plain"
-        self.count, self.tokens = 0, 0
-        self.t0 = time.perf_counter()
-        self.plain_rate = 0.0
-        self.reason = ""
-
-    def observe(self, n_tokens: int) -> None:
-        """Called as each step's tokens arrive (the first call: the prefill's token)."""
-        now = time.perf_counter()
-        if self.phase == "plain":
-            if self.count > 0:  # the prefill's token is not a decode step
-                self.tokens += n_tokens
-            self.count += 1
-            if self.count > self.PLAIN_STEPS:
-                self.plain_rate = self.tokens / max(now - self.t0, 1e-9)
-                self.phase, self.count, self.tokens, self.t0 = "spec", 0, 0, now
-                self.run.set_draft_len(self.draft_len)
-            elif self.count == 1:  # after start (which set the draft length): probe plain steps first
-                self.t0 = now
-                self.run.set_draft_len(0)
-        elif self.phase == "spec":
-            self.tokens += n_tokens
-            self.count += 1
-            if self.count >= self.SPEC_STEPS:
-                rate = self.tokens / max(now - self.t0, 1e-9)
-                self.phase = "decided"
-                if rate < self.plain_rate:
-                    self.run.set_draft_len(0)
-                    self.reason = f"auto: speculative {rate:.0f} tok/s < plain {self.plain_rate:.0f} tok/s"

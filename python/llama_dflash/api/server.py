@@ -75,7 +75,8 @@ class DFlashModelSettings(ModelSettings):
     draft_p_min: float = Field(default=0.0, ge=0.0, le=1.0,
                                description="cut drafts at the first slot less confident than this")
     verify: Literal["match", "rejection"] = Field(default="match", description="T > 0 verification")
-    speculation: Literal["on", "off", "auto"] = Field(default="on", description="speculate, never, or when faster")
+    speculation: Literal["on", "off", "auto"] = Field(
+        default="auto", description="auto: draft when the cost model says it pays (per step); on: always; off")
     grammar_aware_drafting: bool = Field(default=True, description="drafts walk the request's grammar / JSON schema")
     exact: bool = Field(default=False, description="exact mode: batch-invariant target settings, self-checked "
                                                    "(speculative output bit-identical to plain decoding)")

@@ -71,7 +71,7 @@ class Drafter(_native.Resource):
         logits = np.empty((max(n, 0), self.info.n_vocab), dtype=np.float32) if return_logits else None
         lp = ffi.from_buffer("float[]", logits) if return_logits and n > 0 else ffi.NULL
         err = _native.err_buf()
-        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, ffi.NULL, toks, lp, err, _native.ERR_LEN)
+        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, ffi.NULL, toks, ffi.NULL, lp, err, _native.ERR_LEN)
         if got < 0:
             raise DFlashError(_native.err_str(err))
         ids = list(toks[0:got])

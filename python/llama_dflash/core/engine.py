@@ -26,6 +26,7 @@ from .._native import ffi, lib
 from ..errors import DFlashError
 from ..formats.config import DrafterConfig
 from . import exact as exact_mode
+from . import policy
 from .drafter import Drafter
 from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import SpecStats
@@ -52,6 +53,7 @@ class EngineRequest:
     draft_budget: int = 0       # no drafts past this many generated tokens (0: max_tokens)
     stop_on_eos: bool = True
     reuse_prefix: bool = False  # keep the previous generation's KV / drafter cache for the common prefix
+    adaptive: bool = False      # each step's length in 0..draft_len from the cost model (§5.9)
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def check(self) -> None:
@@ -122,7 +124,7 @@ class Run:
         return self._stats(st)
 
     def _stats(self, st) -> SpecStats:
-        s = SpecStats.from_c(st, self.req.draft_len, self.kind)
+        s = SpecStats.from_c(st, self.req.draft_len, self.kind, self.req.adaptive)
         s.mode = MODE_NAMES[st.mode]
         c = self.core
         s.exact = c.exact.describe() if c.exact is not None else (f"not exact: {c.exact_unavailable}"
@@ -142,8 +144,12 @@ class EngineCore(_native.Resource):
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: bool | str = False,
-                 model_path: str | os.PathLike | None = None) -> None:
+                 model_path: str | os.PathLike | None = None, placement: str = "cpu") -> None:
         self._drafter = self._capture = self._engine = None
+        # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
+        self._costs_ready = False
+        self._cost_key = ""
+        self._cost_id = (model_path, drafter_path, placement)
         # exact mode: the target was loaded with exact.EXACT_SETTINGS; attach() checks them
         exact_mode.flash_attn_for(exact, None)  # a valid value (the caller loaded the target accordingly)
         self._exact_wanted = exact
@@ -151,6 +157,7 @@ class EngineCore(_native.Resource):
         self.exact_unavailable = ""  # exact="auto" on a target that failed the self-check: why
         self._model_path = model_path
         self._n_threads = n_threads or _native.default_threads()
+        self._n_batch = n_batch
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {sorted(CAPTURE_MODES)}, got {capture!r}")
         self.n_ctx = n_ctx  # usable positions: min(this, the context's) once attached
@@ -248,6 +255,8 @@ class EngineCore(_native.Resource):
         req.check()
         if self.exact is not None and req.draft_len > self.max_draft_len:
             req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
+        if req.adaptive and req.draft_len > 0:
+            self._ensure_costs()
         toks = [int(t) for t in tokens]
         sp = req.sampling
         mode, chain = verification(sp, self._model, self._vocab, self.n_vocab, history=history)
@@ -256,6 +265,7 @@ class EngineCore(_native.Resource):
             "n_draft": req.draft_len, "n_min": req.n_min, "max_tokens": req.max_tokens,
             "stop_on_eos": req.stop_on_eos, "mode": mode, "temperature": sp.temperature, "seed": seed,
             "p_min": req.p_min, "draft_budget": req.draft_budget, "reuse_prefix": req.reuse_prefix,
+            "adaptive": req.adaptive,
             **grammar_params(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         kind = "external" if draft_source else ("dflash" if self._drafter and req.draft_len > 0 else "none")
@@ -292,6 +302,36 @@ class EngineCore(_native.Resource):
             if chain is not None:
                 chain.close()
 
+    def _ensure_costs(self) -> None:
+        """Before the first adaptive generation: the cost model and calibration from the cache,
+        else measured now (a fraction of a second; the context's KV is cleared)."""
+        if self._costs_ready:
+            return
+        self._costs_ready = True
+        model_path, drafter_path, placement = self._cost_id
+        if model_path is not None:
+            self._cost_key = policy.cost_key(model_path, drafter_path, self._n_threads, placement,
+                                             self.exact is not None)
+            if policy.load(self._engine, self._cost_key):
+                return
+        n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, 15)
+        if self.n_ctx >= n + 1 + 34 and self._n_batch >= n + 1:  # else the C loop's unit-free model
+            policy.measure(self._engine, n + 1, n)
+            self.forget()
+
+    def cost_model(self) -> dict | None:
+        """The adaptive steps' cost model (seconds per verify batch of k rows, per draft of n
+        tokens) and confidence calibration, as refined so far; None before the first adaptive run."""
+        return policy.snapshot(self._engine) if self._engine is not None and self._costs_ready else None
+
+    def oracle_seconds(self, accepted: Sequence[int]) -> float:
+        """The ceiling of any length policy with this drafter: the cost model's time for steps that
+        each draft and verify exactly the tokens a run at n_max got accepted (``accepted``, one
+        count per step; 0: a plain step).  The same steps commit the same tokens."""
+        if self._engine is None:
+            raise DFlashError("the engine is closed")
+        return sum(lib.dflash_engine_step_cost(self._engine, int(a), int(a)) for a in accepted)
+
     def forget(self) -> None:
         """Someone else changed the context's KV: do not reuse what the engine left there."""
         if self._engine is not None:
@@ -309,8 +349,12 @@ class EngineCore(_native.Resource):
         return out
 
     def close(self) -> None:
-        """Free the engine, the drafter and the capture (in that order; before the context)."""
+        """Free the engine, the drafter and the capture (in that order; before the context); the
+        refined cost model goes to the cache first."""
         if getattr(self, "_engine", None):
+            if self._cost_key:
+                with contextlib.suppress(OSError):  # a read-only cache folder loses the refinement only
+                    policy.save(self._engine, self._cost_key)
             lib.dflash_engine_free(self._engine)
         self._engine = None
         if getattr(self, "_drafter", None):

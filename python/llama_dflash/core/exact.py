@@ -17,16 +17,15 @@ The drafter plays no part in exactness: it only proposes tokens, the target deci
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from ..cache import cache_dir
+from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
 # The settings exact mode loads a target with, on top of the caller's:
@@ -100,13 +99,7 @@ def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator) -> float:
 
 
 def _cache_key(model_path: str, n_threads: int, n_rows: int) -> str:
-    st = os.stat(model_path)
-    lib = Path(llama_cpp.__file__).parent / "lib" / "libllama.so"
-    lst = lib.stat() if lib.exists() else None
-    parts = [os.path.realpath(model_path), st.st_size, st.st_mtime_ns, llama_cpp.__version__,
-             lst.st_size if lst else 0, lst.st_mtime_ns if lst else 0, n_threads, n_rows,
-             json.dumps(EXACT_SETTINGS, sort_keys=True)]
-    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
+    return key_of(*file_id(model_path), *build_id(), n_threads, n_rows, json.dumps(EXACT_SETTINGS, sort_keys=True))
 
 
 def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int) -> Verdict:
@@ -114,15 +107,10 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
     its first use: its memory is cleared afterwards); cached when ``model_path`` is given."""
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER))
     key = _cache_key(os.fspath(model_path), n_threads, n_rows) if model_path else ""
-    store = cache_dir() / "exact-verdicts.json"
-    cached = {}
-    if key:
-        try:
-            cached = json.loads(store.read_text())
-        except (OSError, ValueError):
-            cached = {}
-        if key in cached:
-            return Verdict(**cached[key])
+    store = JsonStore("exact-verdicts.json")
+    if key and isinstance(hit := store.get(key), dict):
+        with contextlib.suppress(TypeError):  # an entry of another version: probe again
+            return Verdict(**hit)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     rng = np.random.default_rng(1234)
     max_rows, diff = 1, 0.0
@@ -133,10 +121,7 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
         max_rows, diff = k, 0.0
     v = Verdict(max_rows, n_rows, diff, key)
     if key:
-        cached[key] = asdict(v)
-        tmp = store.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(store)
+        store.put(key, asdict(v))
     return v
 
 

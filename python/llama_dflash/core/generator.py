@@ -91,7 +91,8 @@ class SpeculativeGenerator(_native.Resource):
         try:
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
-                                    exact=exact, model_path=model_path)
+                                    exact=exact, model_path=model_path,
+                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu")
         except BaseException:
             self.close()
             raise
@@ -156,6 +157,7 @@ class SpeculativeGenerator(_native.Resource):
         sampling: SamplingParams | None = None,
         p_min: float = 0.0,
         reuse_prefix: bool = False,
+        speculation: str | None = None,
     ) -> GenerationResult:
         """Speculative generation whose output is distributed exactly as plain decoding's.
 
@@ -170,10 +172,13 @@ class SpeculativeGenerator(_native.Resource):
         replaces the DFlash drafter with a Python callable.  on_step receives
         each step's cache state.  reuse_prefix keeps the previous generation's
         KV / drafter cache for the common prefix (a chat's earlier turns) and
-        prefills only the rest.
+        prefills only the rest.  speculation: "auto" chooses each step's draft length in
+        0..draft_len from the measured cost model and the drafter's calibrated confidence
+        (the default when draft_len is not given), "on" drafts draft_len tokens every step (the
+        default when it is), "off" decodes plainly; the output is the same either way.
         """
         with self._run(prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
-                       reuse_prefix) as run:
+                       reuse_prefix, speculation) as run:
             toks, margins, stats = run.generate(return_margins)
         return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats, margins=margins)
 
@@ -188,30 +193,47 @@ class SpeculativeGenerator(_native.Resource):
         sampling: SamplingParams | None = None,
         p_min: float = 0.0,
         reuse_prefix: bool = False,
+        speculation: str | None = None,
     ) -> Iterator[list[int]]:
         """Like generate, but yields the tokens of every step as it commits them (the first
         list holds the prefill's token).  Closing the iterator early stops the generation;
         ``last_stats`` then describes what ran."""
         with self._run(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min,
-                       reuse_prefix) as run:
+                       reuse_prefix, speculation) as run:
             try:
                 yield from run.steps()
             finally:
                 self.last_stats = run.stats()
 
     def _run(self, prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
-             reuse_prefix):
+             reuse_prefix, speculation):
         """One request on the core (the default draft length: the drafter's block - 1)."""
         if self._core is None:
             raise DFlashError("generator is closed")
+        if speculation not in (None, "auto", "on", "off"):
+            raise ValueError(f"speculation must be 'auto', 'on' or 'off', got {speculation!r}")
+        adaptive = (speculation or ("on" if draft_len is not None else "auto")) == "auto"
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if draft_len is None:
             draft_len = self.max_draft_len if (self._core.has_drafter or draft_source) else 0
             if draft_source and not self._core.has_drafter:
                 draft_len = min(draft_len, 15)
+        if speculation == "off":
+            draft_len = 0
         req = EngineRequest(max_tokens=max_tokens, draft_len=draft_len, p_min=p_min, stop_on_eos=stop_on_eos,
-                            reuse_prefix=reuse_prefix, sampling=sampling or SamplingParams())
+                            reuse_prefix=reuse_prefix, adaptive=adaptive and draft_len > 0,
+                            sampling=sampling or SamplingParams())
         return self._core.run(tokens, req, draft_source=draft_source, on_step=on_step)
+
+    def cost_model(self) -> dict | None:
+        """The adaptive steps' cost model and calibration as refined so far (see EngineCore)."""
+        return self._core.cost_model() if self._core is not None else None
+
+    def oracle_seconds(self, accepted: Sequence[int]) -> float:
+        """The best any draft-length policy can do (see EngineCore.oracle_seconds)."""
+        if self._core is None:
+            raise DFlashError("generator is closed")
+        return self._core.oracle_seconds(accepted)
 
     @property
     def feature_width(self) -> int:

@@ -27,7 +27,8 @@ class SpecStats(Acceptance):
 
     tau is the mean acceptance length per verify step, bonus token included
     (1 <= tau <= n + 1).  per_position[k] is the fraction of steps that drafted
-    a token at position k+1 and had it accepted.  Times are seconds; t_total_s
+    a token at position k+1 and had it accepted; with adaptive drafting,
+    per_position_expected[k] is what the calibration predicted for the same steps.  Times are seconds; t_total_s
     covers the decode phase (after prefill), t_other_s is the loop's own cost.
     """
 
@@ -53,6 +54,13 @@ class SpecStats(Acceptance):
     grammar_cut: int = 0      # drafts the grammar ended early (grammar-aware drafting)
     grammar_skipped: int = 0  # draft slots whose best candidate the grammar forbade (replaced)
     grammar_argmax: int = 0   # greedy rows settled by checking the raw argmax against the grammar alone
+    # adaptive drafting (speculation "auto", docs/architecture.md §5.9)
+    adaptive: bool = False
+    plain_steps: int = 0      # steps that did not call the drafter: the cost model said it would not pay
+    probes: int = 0           # drafted steps that probed while drafting was not paying
+    lengths: list[int] = field(default_factory=list)  # steps by verified draft length (index 0: none)
+    t_predicted_s: float = 0.0  # the cost model's prediction of t_draft_s + t_verify_s
+    per_position_expected: list[float] = field(default_factory=list)  # calibrated acceptance per position
 
     @property
     def t_other_s(self) -> float:
@@ -65,11 +73,21 @@ class SpecStats(Acceptance):
         return n / self.t_total_s if n > 0 and self.t_total_s > 0 else 0.0
 
     @classmethod
-    def from_c(cls, st, draft_len: int, drafter: str) -> SpecStats:
+    def from_c(cls, st, draft_len: int, drafter: str, adaptive: bool = False) -> SpecStats:
         n = max((i + 1 for i in range(len(st.per_position_drafted)) if st.per_position_drafted[i]), default=0)
         drafted = [int(st.per_position_drafted[i]) for i in range(n)]
         accepted = [int(st.per_position_accepted[i]) for i in range(n)]
+        lengths = [int(x) for x in st.length_hist]
+        while lengths and lengths[-1] == 0:
+            lengths.pop()
         return cls(
+            adaptive=adaptive,
+            plain_steps=st.plain_steps,
+            probes=st.probes,
+            lengths=lengths,
+            t_predicted_s=st.t_predicted_s,
+            per_position_expected=[float(st.per_position_expected[i]) / d if d else 0.0
+                                   for i, d in zip(range(n), drafted, strict=True)],
             n_prompt=st.n_prompt,
             n_reused=st.n_reused,
             grammar_cut=st.grammar_cut,

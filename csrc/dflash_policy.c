@@ -1,0 +1,183 @@
+// Cost-aware draft lengths (docs/architecture.md §5.9).
+//
+// A step that drafts n tokens and verifies k of them costs t_draft(n) + t_verify(k + 1) and
+// commits 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average, a_i being the chance that slot i
+// is accepted once every earlier slot was.  The engine maximises committed tokens per second
+// over the generation: each step takes the k with the largest  E[committed] - R * t,  R being
+// the rate to beat (the best of plain decoding's 1 / t_verify(1) and the rate achieved so far).
+// Before drafting, the recent per-position acceptance says how long a draft to make; whether to
+// draft at all is decided by what recent drafts made in the same state (what the step before them
+// accepted: acceptance comes in streaks) were expected to gain over a plain step once their
+// confidences were seen (the cut above included, the draft's own time charged), with a probe every
+// few steps while they gain nothing.  Expected, not realised, gains: one step's luck is noise, and
+// the calibration keeps the expectation honest.
+#include "policy.h"
+
+#include <math.h>
+#include <string.h>
+
+#define PROBE_MAX 32         // plain steps between probes, at most (a probe costs about a third of a step)
+#define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
+
+void dflash_policy_init(struct dflash_policy * p) {
+    memset(p, 0, sizeof(*p));
+    p->speed = 1.0;
+    for (int32_t i = 0; i < DFLASH_MAX_DRAFT; i++) p->recent[i] = -1.0;  // not seen yet
+    for (int32_t c = 0; c < DFLASH_POLICY_STATES; c++) {
+        p->gain[c] = 0.5;  // optimistic: draft first, learn from what the drafts gain
+        p->probe_every[c] = 2;
+    }
+}
+
+// t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
+static double curve(const double * t, int32_t n, int32_t k) {
+    if (k <= n) return t[k - 1];
+    if (n == 1) return t[0] * k;
+    return t[n - 1] + (t[n - 1] - t[n - 2]) * (k - n);
+}
+
+double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k) {
+    if (!p->have_costs || p->costs.n_rows < 1) return 1.0 + 0.5 * (k - 1);  // unit-free: compute-bound rows
+    return p->speed * curve(p->costs.t_verify, p->costs.n_rows, k);
+}
+
+double dflash_policy_t_draft(const struct dflash_policy * p, int32_t n) {
+    if (n <= 0) return 0.0;
+    if (!p->have_costs) return 0.3 + 0.02 * n;
+    if (p->costs.n_draft < 1) return p->t_draft_ext;  // a draft source: what its calls took
+    return p->speed * curve(p->costs.t_draft, p->costs.n_draft, n);
+}
+
+static int32_t bin_of(float c) {
+    const int32_t b = (int32_t) (c * DFLASH_CAL_BINS);
+    return b < 0 ? 0 : (b >= DFLASH_CAL_BINS ? DFLASH_CAL_BINS - 1 : b);
+}
+
+static int32_t pos_of(int32_t i) { return i < DFLASH_CAL_POS ? i : DFLASH_CAL_POS - 1; }
+
+// Calibrated acceptance of slot i (reached) at confidence c: the cell's counts, shrunk towards
+// the bin's count over all positions, itself shrunk towards the confidence.
+static double cal_accept(const struct dflash_policy * p, int32_t i, float c) {
+    const int32_t b = bin_of(c), pos = pos_of(i);
+    double A = 0.0, T = 0.0;
+    for (int32_t j = 0; j < DFLASH_CAL_POS; j++) {
+        A += p->cal.accepted[j][b];
+        T += p->cal.reached[j][b];
+    }
+    const double pool = (A + 2.0 * (b + 0.5) / DFLASH_CAL_BINS) / (T + 2.0);
+    return (p->cal.accepted[pos][b] + 4.0 * pool) / (p->cal.reached[pos][b] + 4.0);
+}
+
+// Recent acceptance of position i; a position never reached yet takes the one before it's.
+static double recent_at(const struct dflash_policy * p, int32_t i) {
+    while (i > 0 && p->recent[i] < 0.0) i--;
+    return p->recent[i] < 0.0 ? 0.5 : p->recent[i];
+}
+
+static double plain_rate(const struct dflash_policy * p) { return 1.0 / dflash_policy_t_verify(p, 1); }
+
+int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
+    *probe = false;
+    if (n_cap <= 0) return 0;
+    const double R = plain_rate(p);
+    double E = 1.0, prod = 1.0, best_v = -INFINITY;
+    int32_t best_n = 1;
+    for (int32_t n = 1; n <= n_cap; n++) {
+        prod *= recent_at(p, n - 1);
+        E += prod;
+        const double v = E - R * (dflash_policy_t_draft(p, n) + dflash_policy_t_verify(p, n + 1));
+        if (v > best_v) {
+            best_v = v;
+            best_n = n;
+        }
+    }
+    // one slot more than the recent acceptance asks for: the cut after the draft may keep it
+    const int32_t n = best_n + 1 < n_cap ? best_n + 1 : n_cap;
+    const int32_t c = p->state;
+    if (p->gain[c] > 0.0) return n;
+    if (++p->skipped[c] >= p->probe_every[c]) {
+        *probe = true;
+        return n;
+    }
+    return 0;
+}
+
+int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32_t n, int32_t n_made,
+                             float * expected) {
+    const double R0 = plain_rate(p);
+    const double R = p->have_costs && p->rate > R0 ? p->rate : R0;  // (the rate is in seconds: costs needed)
+    double E = 1.0, prod = 1.0, best_v = 1.0 - R * dflash_policy_t_verify(p, 1), best_e = 1.0;
+    int32_t best_k = 0;
+    for (int32_t k = 1; k <= n; k++) {
+        prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : recent_at(p, k - 1);
+        E += prod;
+        if (expected) expected[k - 1] = (float) prod;
+        const double v = E - R * dflash_policy_t_verify(p, k + 1);
+        if (v > best_v) {
+            best_v = v;
+            best_k = k;
+            best_e = E;
+        }
+    }
+    // in plain-step units: a plain step's time buys one token
+    p->last_gain = best_e - R0 * (dflash_policy_t_draft(p, n_made) + dflash_policy_t_verify(p, best_k + 1));
+    return best_k;
+}
+
+void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
+                           int32_t n_acc, int32_t committed, double t_draft, double t_verify) {
+    struct dflash_costs * cm = &p->costs;
+    if (p->have_costs && cm->n_rows >= 1) {
+        // machine drift moves every size alike; each size's own curve follows more slowly
+        const double model = curve(cm->t_verify, cm->n_rows, k + 1);
+        double r = model > 0.0 ? t_verify / model : 1.0;
+        r = r < 0.2 ? 0.2 : (r > 5.0 ? 5.0 : r);  // one preempted step must not swing the model
+        p->speed = 0.9 * p->speed + 0.1 * r;
+        if (k + 1 <= cm->n_rows) cm->t_verify[k] += 0.05 * (t_verify / p->speed - cm->t_verify[k]);
+        if (n_drafted >= 1 && n_drafted <= cm->n_draft) {
+            cm->t_draft[n_drafted - 1] += 0.1 * (t_draft / p->speed - cm->t_draft[n_drafted - 1]);
+        } else if (n_drafted >= 1 && cm->n_draft == 0) {
+            p->t_draft_ext = p->t_draft_ext > 0.0 ? 0.9 * p->t_draft_ext + 0.1 * t_draft : t_draft;
+        }
+    }
+    const double t = t_draft + t_verify;
+    if (t > 0.0) p->rate = p->rate > 0.0 ? 0.9 * p->rate + 0.1 * committed / t : committed / t;
+    const int32_t c = p->state;  // the state this step's draft was decided in
+    p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
+    if (n_drafted == 0) return;
+    if (adaptive) {  // (a fixed-length step formed no expectation; the tables below still learn from it)
+        const double g = p->last_gain;
+        if (p->gain[c] > 0.0) {
+            p->gain[c] = 0.7 * p->gain[c] + 0.3 * g;
+        } else {  // a probe: fresh evidence replaces the stale
+            p->gain[c] = g;
+            p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < PROBE_MAX ? 2 * p->probe_every[c] : PROBE_MAX);
+        }
+        p->skipped[c] = 0;
+    }
+    for (int32_t i = 0; i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
+        const float ok = i < n_acc ? 1.0f : 0.0f;
+        p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];
+        p->recent[i] += 0.15 * (ok - p->recent[i]);
+        if (!conf) continue;
+        const int32_t b = bin_of(conf[i]), pos = pos_of(i);
+        if (p->cal.reached[pos][b] >= CAL_CAP) {
+            p->cal.reached[pos][b] *= 0.5f;
+            p->cal.accepted[pos][b] *= 0.5f;
+        }
+        p->cal.reached[pos][b] += 1.0f;
+        p->cal.accepted[pos][b] += ok;
+    }
+}
+
+void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal) {
+    p->cal = *cal;
+    for (int32_t i = 0; i < DFLASH_MAX_DRAFT; i++) {  // the prior before any draft: each position's mean
+        double A = 0.0, T = 0.0;
+        for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {
+            A += cal->accepted[pos_of(i)][b];
+            T += cal->reached[pos_of(i)][b];
+        }
+        p->recent[i] = T >= 1.0 ? (A + 1.0) / (T + 2.0) : -1.0;
+    }
+}

@@ -1,0 +1,45 @@
+// Cost-aware draft lengths (docs/architecture.md §5.9): the engine's model of what a step
+// costs and of how likely each drafted slot is to be accepted, and the two decisions an
+// adaptive step takes from it -- how many tokens to draft, and how many of them to verify.
+#pragma once
+
+#include "dflash.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define DFLASH_POLICY_STATES 4
+
+struct dflash_policy {
+    struct dflash_costs costs;    // the shape of the cost curves, in seconds at speed 1
+    bool have_costs;
+    double speed;                 // measured / modelled step time (machine drift), EMA
+    double t_draft_ext;           // an external draft source's time per draft (no measured curve), EMA
+    struct dflash_calibration cal;
+    double recent[DFLASH_MAX_DRAFT]; // acceptance of a reached slot per position, EMA (before a draft)
+    // Acceptance runs in streaks: what the last step accepted predicts the next draft, so the
+    // decision to draft is learnt per state (DFLASH_POLICY_STATES: no draft verified, first slot
+    // rejected, 1-2 accepted, 3 or more accepted).
+    int32_t state;
+    double gain[DFLASH_POLICY_STATES];  // what a draft in this state is expected to gain over a plain step, EMA
+    double last_gain;                   // the same for the last draft (dflash_policy_choose)
+    int32_t skipped[DFLASH_POLICY_STATES];     // plain steps in this state since its last draft
+    int32_t probe_every[DFLASH_POLICY_STATES]; // while drafts in this state do not pay: one in this many
+    double rate;                  // committed tokens per second, EMA over steps
+};
+
+void   dflash_policy_init(struct dflash_policy * p);
+void   dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal);
+// Seconds of a verify batch of k rows / a draft of n tokens, as the model predicts them now.
+double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k);
+double dflash_policy_t_draft(const struct dflash_policy * p, int32_t n);
+// Before a step: tokens to draft (0: a plain step; *probe: a draft although it has not been paying).
+int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe);
+// After drafting n tokens (n_made asked for): how many of them to verify; conf (may be NULL) holds
+// each slot's confidence, expected[i] receives the calibrated chance that slots 0..i are all accepted.
+int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32_t n, int32_t n_made,
+                             float * expected);
+// After the verify: whether the step was adaptive, what was drafted (n_drafted, 0 for a plain
+// step), verified (k), accepted, committed, and the measured times.
+void   dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf,
+                             int32_t k, int32_t n_acc, int32_t committed, double t_draft, double t_verify);

@@ -1,0 +1,66 @@
+"""Cost-aware drafting between runs: the cost model and the confidence calibration that the C
+loop's adaptive steps use (csrc/dflash_policy.c, docs/architecture.md §5.9).
+
+The engine measures the cost model on its first adaptive generation (verify batches of
+1 .. n_max + 1 rows and drafts of 1 .. n_max tokens: a fraction of a second on the default
+model), refines it and the calibration from every step it times, and this module keeps both
+in the cache folder per (target file, drafter file, threads, placement, mode, llama.cpp
+build), so the next start reuses them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import _native
+from .._native import ffi, lib
+from ..cache import JsonStore, build_id, file_id, key_of
+from ..errors import DFlashError
+
+_STORE = "costs.json"
+
+
+def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None, n_threads: int,
+             placement: str, exact: bool) -> str:
+    """What the cost model and calibration depend on."""
+    return key_of(*file_id(model_path), *(file_id(drafter_path) if drafter_path else ["none"]), *build_id(),
+                  n_threads, placement, exact)
+
+
+def load(engine, key: str) -> bool:
+    """Set the engine's cost model and calibration from the cache; False when there is none."""
+    hit = JsonStore(_STORE).get(key)
+    try:
+        tv, td = [float(x) for x in hit["t_verify"]], [float(x) for x in hit["t_draft"]]
+        reached, accepted = hit["reached"], hit["accepted"]
+        c = ffi.new("struct dflash_costs *", {"n_rows": len(tv), "t_verify": tv, "n_draft": len(td), "t_draft": td})
+        cal = ffi.new("struct dflash_calibration *", {"reached": reached, "accepted": accepted})
+    except (TypeError, KeyError, ValueError, IndexError, OverflowError):
+        return False  # none, or written by another version
+    lib.dflash_engine_set_costs(engine, c)
+    lib.dflash_engine_set_calibration(engine, cal)
+    return bool(lib.dflash_engine_get_costs(engine, ffi.new("struct dflash_costs *")))
+
+
+def measure(engine, n_rows: int, n_draft: int) -> None:
+    """Time the target's verify batches and the drafter's drafts on this engine (clears its KV)."""
+    err = _native.err_buf()
+    if lib.dflash_engine_measure_costs(engine, n_rows, n_draft, ffi.NULL, err, _native.ERR_LEN) != 0:
+        raise DFlashError(_native.err_str(err))
+
+
+def snapshot(engine) -> dict | None:
+    """The engine's refined cost model and calibration (None before it has a cost model)."""
+    c = ffi.new("struct dflash_costs *")
+    if not lib.dflash_engine_get_costs(engine, c):
+        return None
+    cal = ffi.new("struct dflash_calibration *")
+    lib.dflash_engine_get_calibration(engine, cal)
+    return {"t_verify": list(c.t_verify[0:c.n_rows]), "t_draft": list(c.t_draft[0:c.n_draft]),
+            "reached": [list(r) for r in cal.reached], "accepted": [list(r) for r in cal.accepted]}
+
+
+def save(engine, key: str) -> None:
+    snap = snapshot(engine)
+    if snap is not None:
+        JsonStore(_STORE).put(key, snap)

@@ -1,0 +1,174 @@
+"""Cost-aware drafting (csrc/dflash_policy.c, core/policy.py): adaptive steps change no output,
+their stats add up, the cost model is measured once and reused from the cache, and the policy
+drafts where drafts pay and stops where they do not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import llama_dflash
+from llama_dflash import SamplingParams, SpeculativeGenerator
+from llama_dflash._native import ffi, lib
+from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.core import policy
+from llama_dflash.verify.oracle import ReplayDraftSource
+
+PROMPTS = ["def is_palindrome(s):\n", "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+           "1, 2, 3, 4, 5,"]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """A fresh cache folder: every test measures (or reads) its own cost model."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _check_stats(s) -> None:
+    assert s.adaptive
+    assert sum(s.lengths) == s.steps
+    assert sum(k * c for k, c in enumerate(s.lengths)) == s.drafted
+    assert 0 <= s.plain_steps <= s.lengths[0]
+    assert s.t_predicted_s > 0
+    assert len(s.per_position_expected) == len(s.per_position)
+    assert all(0.0 <= x <= 1.0 for x in s.per_position_expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_adaptive_greedy_equals_plain_on_tiny_targets(artifacts, cache, name):
+    """Default mode on the tiny targets (whose verify batches happen to round like one-token
+    decodes): adaptive output == plain output, token for token."""
+    a = artifacts[name]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        for p in ["The capital of France is", "def f(x):\n    return", "1, 2, 3,"]:
+            plain = g.generate(p, 48, draft_len=0)
+            fixed = g.generate(p, 48, draft_len=g.max_draft_len)
+            auto = g.generate(p, 48)
+            assert auto.tokens == plain.tokens == fixed.tokens, p
+            _check_stats(auto.stats)
+            assert not fixed.stats.adaptive and fixed.stats.plain_steps == 0
+
+
+def test_adaptive_is_exact_in_exact_mode(cache):
+    """Exact mode on SmolLM2: adaptive == plain for greedy and seeded match sampling; rejection
+    sampling runs adaptively too."""
+    with SpeculativeGenerator(default_target(), shipped_drafter(), n_ctx=1024, exact=True) as g:
+        drafted = 0
+        for p in PROMPTS:
+            toks = g.tokenize(p)
+            for sp in (None, SamplingParams(temperature=0.8, seed=3)):
+                plain = g.generate(toks, 48, draft_len=0, sampling=sp)
+                auto = g.generate(toks, 48, sampling=sp)
+                assert auto.tokens == plain.tokens, (p, sp)
+                _check_stats(auto.stats)
+                drafted += auto.stats.drafted
+            rej = g.generate(toks, 32, sampling=SamplingParams(temperature=0.8, seed=3, mode="rejection"))
+            assert rej.stats.mode == "rejection" and rej.stats.n_generated == 32
+            _check_stats(rej.stats)
+        assert drafted > 0  # the trained drafter's confident drafts were verified
+
+
+def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        assert g.cost_model() is None  # nothing measured before the first adaptive generation
+        g.generate("hello", 8, draft_len=2)  # a fixed-length run measures nothing
+        assert g.cost_model() is None
+        g.generate("hello", 8)
+        cm = g.cost_model()
+        n = g.max_draft_len
+        assert len(cm["t_verify"]) == n + 1 and len(cm["t_draft"]) == n
+        assert all(t > 0 for t in cm["t_verify"] + cm["t_draft"])
+        one = g.oracle_seconds([0])  # a plain step: one row
+        assert one == pytest.approx(cm["t_verify"][0], rel=1e-6)
+        assert g.oracle_seconds([0, 0, 2]) > 2 * one
+    stored = json.loads((cache / "costs.json").read_text())  # written at close, refined by the steps
+    assert len(stored) == 1
+
+    def no_measuring(*args, **kw):
+        raise AssertionError("the cached cost model should have been used")
+
+    monkeypatch.setattr(policy, "measure", no_measuring)
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        g.generate("hello", 8)
+        # loaded, then refined by this run's steps (drift moves every size alike)
+        assert g.cost_model()["t_verify"] == pytest.approx(next(iter(stored.values()))["t_verify"], rel=0.5)
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=1) as g:
+        with pytest.raises(AssertionError, match="cached cost model"):  # another key: threads
+            g.generate("hello", 8)
+
+
+def test_a_damaged_cost_cache_is_measured_again(artifacts, cache):
+    a = artifacts["llama"]
+    for junk in ("{not json", json.dumps([1, 2]), json.dumps({"x": 1})):
+        (cache / "costs.json").write_text(junk)
+        with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+            assert g.generate("hello", 8).stats.adaptive
+            assert g.cost_model() is not None
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        key = policy.cost_key(a["target"], a["drafter"], g.n_threads, "cpu", False)
+        (cache / "costs.json").write_text(json.dumps({key: {"t_verify": ["x"], "t_draft": [], "reached": [],
+                                                             "accepted": []}}))
+        g.generate("hello", 8)  # an entry of the wrong shape: measured instead
+        assert all(t > 0 for t in g.cost_model()["t_verify"])
+
+
+def test_unusable_costs_fall_back_to_the_unit_model(artifacts, cache):
+    """NaN / negative / out-of-range tables are refused by the C core (no cost model set)."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        e = g._core._engine
+        out = ffi.new("struct dflash_costs *")
+        for tv, n_rows in (([float("nan"), 1.0], 2), ([-1.0], 1), ([1.0], 1000)):
+            c = ffi.new("struct dflash_costs *", {"n_rows": n_rows, "t_verify": tv})
+            lib.dflash_engine_set_costs(e, c)
+            assert not lib.dflash_engine_get_costs(e, out)
+        cal = ffi.new("struct dflash_calibration *")
+        cal.reached[0][9], cal.accepted[0][9] = 5.0, float("inf")
+        lib.dflash_engine_set_calibration(e, cal)
+        lib.dflash_engine_get_calibration(e, cal)
+        assert cal.accepted[0][9] == 0.0  # not finite: dropped
+
+
+def test_useless_drafts_turn_into_plain_steps(artifacts, cache):
+    """A draft source whose every token is wrong: the policy stops drafting after a few probes."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        ref = g.generate("Once upon a time", 96, draft_len=0)
+        wrong = ReplayDraftSource(g.tokenize("Once upon a time") + ref.tokens, g.n_vocab, corrupt=lambda s, n: 0)
+        out = g.generate("Once upon a time", 96, draft_source=wrong)
+        assert out.tokens == ref.tokens
+        s = out.stats
+        assert s.accepted == 0 and s.plain_steps >= 0.7 * s.steps and s.probes >= 1
+
+
+def test_perfect_drafts_are_verified_long(artifacts, cache):
+    """A draft source that is always right: the policy verifies long drafts (the tiny target's
+    extra rows cost little)."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        ref = g.generate("Once upon a time", 96, draft_len=0, stop_on_eos=False)
+        toks = g.tokenize("Once upon a time")
+        for _ in range(2):  # the second run starts from what the first one learnt
+            out = g.generate(toks, 96, stop_on_eos=False, draft_source=ReplayDraftSource(toks + ref.tokens, g.n_vocab))
+            assert out.tokens == ref.tokens
+        assert out.stats.tau > 3 and out.stats.plain_steps == 0
+
+
+def test_llama_speculates_adaptively_by_default(cache):
+    target, drafter = str(default_target()), str(shipped_drafter())
+    llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, exact=True)
+    fixed = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, exact=True,
+                               speculation="on")
+    try:
+        assert llm.speculation == "auto"
+        a = llm(PROMPTS[0], max_tokens=32, temperature=0.0)["choices"][0]["text"]
+        assert llm.last_speculative_stats.adaptive
+        b = fixed(PROMPTS[0], max_tokens=32, temperature=0.0)["choices"][0]["text"]
+        assert not fixed.last_speculative_stats.adaptive and fixed.last_speculative_stats.plain_steps == 0
+        assert a == b
+    finally:
+        llm.close()
+        fixed.close()
