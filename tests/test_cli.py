@@ -89,7 +89,8 @@ def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
 
 def test_diff_reports_and_classifies(artifacts):
     a = artifacts["llama"]
-    base = ["diff", "--model", a["target"], "--drafter", a["drafter"], "--n-ctx", "256", "--json"]
+    base = ["diff", "--model", a["target"], "--drafter", a["drafter"], "--n-ctx", "256", "--json",
+            "--speculation", "on"]
     r = run(*base, "--prompt", "Hello", "--max-tokens", "32")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["identical"] is True

@@ -45,7 +45,8 @@ class Script:
 def models(artifacts):
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False, logits_all=True)
-    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7,
+                              speculation="on")
     script = base.tokenize(TEXT.encode(), add_bos=False, special=False)
     assert base.detokenize(script).decode() == TEXT
     n_prompt = len(base.tokenize(PROMPT.encode(), add_bos=False, special=True))

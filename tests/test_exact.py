@@ -157,7 +157,7 @@ def test_gemma3_through_cb_eval(tmp_path):
     cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=8,
                         target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6)
     d = cached_random_drafter("gemma-3-270m-exact", cfg, target, seed=2)
-    llm = llama_dflash.Llama(target, n_ctx=512, verbose=False, draft_model_path=str(d), exact=True)
+    llm = llama_dflash.Llama(target, n_ctx=512, verbose=False, draft_model_path=str(d), exact=True, speculation="on")
     try:
         assert llm._core.capture_mode == "cb_eval"
         verdict = llm._core.exact

@@ -16,7 +16,8 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time, t
 def pair(artifacts):
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
-    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7,
+                              speculation="on")
     yield base, spec
     spec.close()
     base.close()
@@ -102,7 +103,7 @@ def test_cb_eval_target_speculates_through_the_drop_in(artifacts, n_ctx):
     """qwen2's graph records no layer inputs: the drop-in class installs the cb_eval capture in
     the one context the base class creates, and speculates (greedy output equal to plain)."""
     q = artifacts["qwen2"]
-    llm = llama_dflash.Llama(q["target"], n_ctx=n_ctx, verbose=False, draft_model_path=q["drafter"])
+    llm = llama_dflash.Llama(q["target"], n_ctx=n_ctx, verbose=False, draft_model_path=q["drafter"], speculation="on")
     ref = llama_cpp.Llama(q["target"], n_ctx=n_ctx, verbose=False)
     try:
         assert llm._core.capture_mode == "cb_eval"
@@ -134,7 +135,7 @@ def _decodes_plainly(llm, target: str, reason: str) -> None:
 def test_drafter_object_in_llama_cpp_pythons_draft_model_slot(artifacts):
     a = artifacts["llama"]
     d = llama_dflash.DFlashDraftModel(a["drafter"], n_max=4)
-    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model=d)
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model=d, speculation="on")
     ref = llama_cpp.Llama(a["target"], n_ctx=128, verbose=False)
     assert llm.draft_n_max == 4 and llm.draft_model is None
     assert llm("Hello", max_tokens=8, temperature=0.0)["choices"][0]["text"] == \
@@ -155,7 +156,7 @@ def test_specconfig_like_object(artifacts):
     a = artifacts["llama"]
     cfg = SimpleNamespace(spec_type="SpeculativeType.DRAFT_DFLASH", draft_model_path=a["drafter"], draft_n_max=5,
                           draft_p_min=0.0)
-    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, speculative=cfg)
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, speculative=cfg, speculation="on")
     assert llm.draft_n_max == 5
     llm("Hello", max_tokens=6, temperature=0.0)
     assert llm.last_speculative_stats.drafted > 0
@@ -175,21 +176,24 @@ def test_second_chat_turn_reuses_the_prefix(pair):
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
 
 
-def test_speculation_auto_keeps_output(artifacts):
-    """speculation="auto" measures plain and speculative steps and stops drafting when it does not pay
-    (an untrained drafter never does); the output is unchanged either way."""
+def test_speculation_auto_keeps_output(artifacts, tmp_path, monkeypatch):
+    """speculation="auto" (the default) decides each step's draft length from the measured cost
+    model: an untrained drafter's drafts soon stop (plain steps, a probe now and then); the output
+    is unchanged either way."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
-    auto = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"],
-                              draft_n_max=7, speculation="auto")
-    for p in PROMPTS[:2]:
+    auto = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7)
+    assert auto.speculation == "auto"
+    for p in PROMPTS[:3]:
         want = base.create_completion(p, max_tokens=48, temperature=0.0)["choices"][0]["text"]
         assert auto.create_completion(p, max_tokens=48, temperature=0.0)["choices"][0]["text"] == want
         st = auto.last_speculative_stats
-        assert 0 < st.drafted <= 6 * 7  # plain probe, then at most the speculative probe
-        if st.fallback_reason:
-            assert st.fallback_reason.startswith("auto: speculative")
+        assert st.adaptive and st.fallback_reason == "" and sum(st.lengths) == st.steps
+    assert st.plain_steps >= st.steps // 2  # by the third completion the drafts have been priced
+    assert (tmp_path / "costs.json").is_file() is False  # written at close
     auto.close()
+    assert (tmp_path / "costs.json").is_file()
     base.close()
 
 
@@ -256,7 +260,7 @@ def test_prompt_cache_hit_keeps_speculating(artifacts):
     outputs equal llama_cpp.Llama's with the same cache."""
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
-    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"])
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], speculation="on")
     for llm in (base, spec):
         llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=1 << 30))
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + " return", PROMPTS[1]]
@@ -296,7 +300,7 @@ def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
     with the reason recorded (llama.cpp reports the kind; this tiny target is made to say so)."""
     a = artifacts["llama"]
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_is_hybrid", lambda model: True)
-    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"])
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"], speculation="on")
     monkeypatch.undo()
     _decodes_plainly(llm, a["target"], "cannot roll back")
 
@@ -309,7 +313,8 @@ def test_draft_n_min_drops_short_drafts(artifacts):
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
     want = base.create_completion(PROMPTS[0], max_tokens=40, temperature=0.0)
     ref = base.tokenize(PROMPTS[0].encode()) + base.tokenize(want["choices"][0]["text"].encode(), add_bos=False)
-    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_min=3)
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_min=3,
+                              speculation="on")
     calls = []
 
     def source(hist, n):
@@ -392,7 +397,7 @@ def test_calls_after_close_are_clear_errors(artifacts):
     from llama_dflash import DFlashError
 
     a = artifacts["llama"]
-    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"])
+    llm = llama_dflash.Llama(a["target"], n_ctx=128, verbose=False, draft_model_path=a["drafter"], speculation="on")
     llm.close()
     llm.close()  # twice is fine
     calls = [lambda: llm("Hello", max_tokens=4), lambda: llm.tokenize(b"Hello"), lambda: llm.detokenize([1]),

@@ -57,7 +57,7 @@ def server(artifacts):
 
     a = artifacts["llama"]
     ms = DFlashModelSettings(model=a["target"], model_alias="tiny", draft_model_path=a["drafter"], n_ctx=512,
-                             n_threads=2, verbose=False)
+                             n_threads=2, verbose=False, speculation="on")
     plain = llama_cpp.Llama(a["target"], n_ctx=512, n_threads=2, verbose=False)
     with _serving([ms]) as base:
         yield {"base": base, "plain": plain}
@@ -111,7 +111,7 @@ def test_serve_command_starts_as_documented(artifacts, tmp_path):
     log = open(tmp_path / "log", "wb")  # noqa: SIM115 - closed after the server exits
     p = subprocess.Popen([sys.executable, "-m", "llama_dflash.api.cli", "serve", "--model", a["target"],
                           "--draft_model_path", a["drafter"], "--n_ctx", "256", "--port", str(port),
-                          "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=log)
+                          "--speculation", "on", "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=log)
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(1200):
@@ -296,7 +296,8 @@ def test_full_queue_is_503_and_timeout_ends_a_request(artifacts):
     from llama_dflash.api.server import DFlashModelSettings
 
     a = artifacts["llama"]
-    ms = DFlashModelSettings(model=a["target"], draft_model_path=a["drafter"], n_ctx=4096, n_threads=2, verbose=False)
+    ms = DFlashModelSettings(model=a["target"], draft_model_path=a["drafter"], n_ctx=4096, n_threads=2, verbose=False,
+                             speculation="on")
     with _serving([ms], max_queue=2, request_timeout=0.5) as base:
         body = {"prompt": PROMPTS[0], "max_tokens": 0, "temperature": 0.0, "logit_bias": {"0": -1e9, "2": -1e9}}
 

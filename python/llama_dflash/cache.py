@@ -33,7 +33,8 @@ def build_id() -> list:
 
 
 def key_of(*parts: Any) -> str:
-    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
+    # (surrogateescape: a path that is not UTF-8 is still a key)
+    return hashlib.sha256("|".join(map(str, parts)).encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
 class JsonStore:
