@@ -218,6 +218,7 @@ typedef int32_t (*dflash_draft_fn)(void * user_data, const int32_t * history, in
                                     int32_t n, int32_t * out);
 
 #define DFLASH_MAX_DRAFT 64
+#define DFLASH_MAX_LAYERS 64  /* drafter layers the core supports */
 /* DFLASH_MAX_DRAFT + 1, a verify batch's rows (written as a number for the binding's parser) */
 #define DFLASH_MAX_ROWS 65
 
@@ -243,7 +244,7 @@ struct dflash_stats {
     int32_t plain_steps;     /* steps that did not call the drafter (the cost model said it would not pay) */
     int32_t probes;          /* of the drafted steps: probes while drafting was not paying */
     int32_t length_hist[DFLASH_MAX_ROWS]; /* steps by the draft length they verified (0 = anchor alone) */
-    double  t_predicted_s;   /* the cost model's prediction of the steps' draft + verify time */
+    double  t_predicted_s;   /* the cost model's prediction of the steps' draft + verify time (once one exists) */
     float   per_position_expected[DFLASH_MAX_DRAFT]; /* calibrated acceptance, summed over verified slots */
 };
 

@@ -420,6 +420,7 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     int32_t n = params->n_draft;
     if (n > budget - e->n_gen - 1) n = budget - e->n_gen - 1;
     if (n > e->n_ctx - e->n_past - 1) n = e->n_ctx - e->n_past - 1;
+    if (n > e->n_batch - 1) n = e->n_batch - 1;  // one llama_decode takes at most n_batch rows
     if (n < 0) n = 0;
     const int32_t anchor = e->history[e->n_hist - 1];
 
@@ -490,9 +491,11 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
-    if (adaptive) {
+    if (adaptive || e->policy.have_costs) {  // (a fixed-length step is predicted once a cost model exists)
         st->t_predicted_s +=
             dflash_policy_t_draft(&e->policy, n_made) + dflash_policy_t_verify(&e->policy, n_drafted + 1);
+    }
+    if (adaptive) {
         st->plain_steps += n_made == 0;
         st->probes += probe;
         for (int32_t i = 0; i < n_drafted; i++) st->per_position_expected[i] += expected[i];
@@ -621,7 +624,7 @@ static void interpolate(double * t, int32_t n, const bool * have) {
 
 int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n_draft, struct dflash_costs * out,
                                     char * err, size_t err_len) {
-    enum { PREFIX = 32, REPS = 2 };
+    enum { REPS = 2 };
     if (n_rows < 1 || n_rows > DFLASH_MAX_DRAFT + 1) {
         dflash_seterr(err, err_len, "cost rows must be in 1..%d (got %d)", DFLASH_MAX_DRAFT + 1, n_rows);
         return -1;
@@ -636,13 +639,18 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
         dflash_drafter_get_info(e->drafter, &info);
         if (n_draft > info.block_size - 1) n_draft = info.block_size - 1;
     }
-    if (PREFIX + n_rows + 1 > e->n_ctx || n_rows > e->n_batch) {
-        dflash_seterr(err, err_len, "the context (%d) or batch (%d) is too small to time %d-row batches", e->n_ctx,
-                      e->n_batch, n_rows);
+    // a small context or batch times what fits (the model extrapolates the rest)
+    if (n_rows > e->n_batch) n_rows = e->n_batch;
+    if (n_rows > e->n_ctx / 2) n_rows = e->n_ctx / 2;
+    if (n_draft > n_rows - 1) n_draft = n_rows - 1 > 0 ? n_rows - 1 : 0;
+    int32_t prefix = 32 < e->n_batch ? 32 : e->n_batch;
+    if (prefix > e->n_ctx - n_rows - 2) prefix = e->n_ctx - n_rows - 2;
+    if (n_rows < 1 || prefix < 1) {
+        dflash_seterr(err, err_len, "the context (%d) is too small to time verify batches", e->n_ctx);
         return -1;
     }
-    int32_t toks[PREFIX + DFLASH_MAX_DRAFT + 1];
-    for (int32_t i = 0; i < PREFIX + n_rows; i++) toks[i] = (int32_t) ((1000 + 31 * i) % e->n_vocab);
+    int32_t toks[32 + DFLASH_MAX_DRAFT + 1];
+    for (int32_t i = 0; i < prefix + n_rows; i++) toks[i] = (int32_t) ((1000 + 31 * i) % e->n_vocab);
     llama_memory_t mem = llama_get_memory(e->ctx);
     dflash_engine_forget(e);
     llama_memory_clear(mem, true);
@@ -651,18 +659,18 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     memset(&c, 0, sizeof(c));
     bool have[DFLASH_MAX_DRAFT + 1] = { false };
     const float * feats = NULL;
-    int32_t rc = decode(e, toks, PREFIX, 0, PREFIX, &feats, err, err_len);
-    if (rc == 0 && e->drafter) rc = dflash_drafter_push(e->drafter, feats, PREFIX, err, err_len);
+    int32_t rc = decode(e, toks, prefix, 0, prefix, &feats, err, err_len);
+    if (rc == 0 && e->drafter) rc = dflash_drafter_push(e->drafter, feats, prefix, err, err_len);
     // a warm-up batch, then each size as a verify step decodes it: every row's logits
     for (int32_t k = 0; rc == 0 && k <= n_rows; k++) {
         if (k > 0 && !timed_size(k, n_rows)) continue;
         double best = INFINITY;
         for (int32_t r = 0; rc == 0 && r < REPS; r++) {
             const double t0 = dflash_now();
-            rc = decode(e, toks + PREFIX, k > 0 ? k : 1, PREFIX, 0, &feats, err, err_len);
+            rc = decode(e, toks + prefix, k > 0 ? k : 1, prefix, 0, &feats, err, err_len);
             const double t = dflash_now() - t0;
             best = t < best ? t : best;
-            if (!llama_memory_seq_rm(mem, 0, PREFIX, -1)) {
+            if (!llama_memory_seq_rm(mem, 0, prefix, -1)) {
                 dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
                 rc = -1;
             }
@@ -682,7 +690,7 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
         double best = INFINITY;
         for (int32_t r = 0; rc == 0 && r < REPS; r++) {
             const double t0 = dflash_now();
-            if (dflash_drafter_draft(e->drafter, toks[PREFIX], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
+            if (dflash_drafter_draft(e->drafter, toks[prefix], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
                                      err_len) < 0) {
                 rc = -1;
             }

@@ -9,8 +9,10 @@
 // draft at all is decided by what recent drafts made in the same state (what the step before them
 // accepted: acceptance comes in streaks) were expected to gain over a plain step once their
 // confidences were seen (the cut above included, the draft's own time charged), with a probe every
-// few steps while they gain nothing.  Expected, not realised, gains: one step's luck is noise, and
-// the calibration keeps the expectation honest.
+// few steps while they gain nothing.  A draft from a cold state (nothing accepted last step) is
+// credited with its whole streak -- the drafts it leads to -- since that is what it opens.
+// Expected, not realised, gains: one step's luck is noise, and the calibration keeps the
+// expectation honest.
 #include "policy.h"
 
 #include <math.h>
@@ -27,6 +29,7 @@ void dflash_policy_init(struct dflash_policy * p) {
         p->gain[c] = 0.5;  // optimistic: draft first, learn from what the drafts gain
         p->probe_every[c] = 2;
     }
+    p->ep_state = -1;
 }
 
 // t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
@@ -124,6 +127,17 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     return best_k;
 }
 
+// What a draft decided in state c turned out to be worth, in expectation: an EMA while drafting
+// there pays; after a probe, the fresh value replaces the stale one.
+static void credit(struct dflash_policy * p, int32_t c, double g) {
+    if (p->gain[c] > 0.0) {
+        p->gain[c] = 0.7 * p->gain[c] + 0.3 * g;
+    } else {
+        p->gain[c] = g;
+        p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < PROBE_MAX ? 2 * p->probe_every[c] : PROBE_MAX);
+    }
+}
+
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
                            int32_t n_acc, int32_t committed, double t_draft, double t_verify) {
     struct dflash_costs * cm = &p->costs;
@@ -144,17 +158,22 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     if (t > 0.0) p->rate = p->rate > 0.0 ? 0.9 * p->rate + 0.1 * committed / t : committed / t;
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
-    if (n_drafted == 0) return;
-    if (adaptive) {  // (a fixed-length step formed no expectation; the tables below still learn from it)
+    if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
         const double g = p->last_gain;
-        if (p->gain[c] > 0.0) {
-            p->gain[c] = 0.7 * p->gain[c] + 0.3 * g;
-        } else {  // a probe: fresh evidence replaces the stale
-            p->gain[c] = g;
-            p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < PROBE_MAX ? 2 * p->probe_every[c] : PROBE_MAX);
+        if (c <= 1) {  // a draft from a cold state starts an episode: it is worth its whole streak
+            p->ep_state = c;
+            p->ep_gain = g;
+        } else {
+            if (p->ep_state >= 0) p->ep_gain += g;
+            credit(p, c, g);
         }
         p->skipped[c] = 0;
     }
+    if (p->ep_state >= 0 && (p->state <= 1 || !adaptive || n_drafted == 0)) {  // the streak is over
+        credit(p, p->ep_state, p->ep_gain);
+        p->ep_state = -1;
+    }
+    if (n_drafted == 0) return;
     for (int32_t i = 0; i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
         const float ok = i < n_acc ? 1.0f : 0.0f;
         p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];

@@ -130,3 +130,52 @@ def test_every_small_context_size_runs_to_its_end(llama):
             plain = g.generate(toks, max_tokens=n_ctx - len(toks), draft_len=0)
             assert spec.tokens == plain.tokens, n_ctx
             assert len(spec.tokens) == n_ctx - len(toks) or spec.stats.stop_reason == "eos", n_ctx
+
+
+def test_small_contexts_and_batches_in_adaptive_and_exact_mode(llama, tmp_path, monkeypatch):
+    """Tiny n_ctx / n_batch never reach a llama.cpp abort: verify batches stay within n_batch, the
+    cost model times what fits, exact mode refuses a batch too small for its self-check."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    for n_ctx, n_batch in ((8, 8), (20, 4), (64, 2), (256, 1)):
+        with SpeculativeGenerator(llama["target"], llama["drafter"], n_ctx=n_ctx, n_batch=n_batch) as g:
+            toks = g.tokenize("Hello", add_special=False)[:1]
+            n = min(g._core.n_ctx - 1, 32)
+            plain = g.generate(toks, max_tokens=n, draft_len=0)
+            assert g.generate(toks, max_tokens=n).tokens == plain.tokens, (n_ctx, n_batch)  # adaptive
+            fixed = g.generate(toks, max_tokens=n, draft_len=15)
+            assert fixed.tokens == plain.tokens and len(fixed.stats.lengths) - 1 <= n_batch - 1, (n_ctx, n_batch)
+    with pytest.raises(DFlashError, match="n_batch >= 8"):
+        SpeculativeGenerator(llama["target"], llama["drafter"], n_ctx=64, n_batch=4, exact=True)
+
+
+def test_drop_in_below_the_context_floor(llama):
+    """n_ctx below llama.cpp's floor (the context gets 256 positions, llama-cpp-python's token
+    buffers the n_ctx asked for): ours serves what fits in n_ctx -- a prefix of the base class's
+    text, which overruns its own buffers -- or refuses a prompt that does not fit with a clear
+    ValueError; never an ignored exception or an IndexError later on."""
+    import llama_cpp
+
+    import llama_dflash
+
+    for n_ctx in (4, 8, 16, 24):
+        base = llama_cpp.Llama(llama["target"], n_ctx=n_ctx, verbose=False)
+        ours = llama_dflash.Llama(llama["target"], n_ctx=n_ctx, verbose=False, draft_model_path=llama["drafter"])
+        try:
+            for call in (lambda m: m("Hello there, how are you?", max_tokens=8, temperature=0.0),
+                         lambda m: m.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=8,
+                                                            temperature=0.0)):
+                try:
+                    got = call(ours)
+                except ValueError as e:
+                    assert "exceed context window" in str(e), e
+                    continue
+                assert got["usage"]["total_tokens"] <= n_ctx, n_ctx
+                try:
+                    want = call(base)
+                except ValueError:  # the base class's buffer overrun (a numpy error)
+                    continue
+                text = lambda r: r["choices"][0].get("text", r["choices"][0].get("message", {}).get("content"))  # noqa: E731
+                assert text(want).startswith(text(got)), (n_ctx, text(got), text(want))
+        finally:
+            ours.close()
+            base.close()

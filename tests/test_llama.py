@@ -275,16 +275,33 @@ def test_prompt_cache_hit_keeps_speculating(artifacts):
     base.close()
 
 
-def test_context_filled_outside_the_loop_falls_back(pair):
-    """A chat handler that evaluates the prompt itself (multimodal: image / audio chunks go
-    straight into the context) is served by plain decoding from that context, reason recorded;
-    the next request speculates again."""
+def test_eval_then_generate_keeps_speculating(pair):
+    """The common pattern -- eval() a prefix, then generate from it -- speculates: the loop prefills
+    the evaluated tokens itself (their features were not captured) and the output is the base's."""
     base, spec = pair
     toks = spec.tokenize(PROMPTS[2].encode())
     for llm in (base, spec):
         llm.reset()
         llm._ctx.kv_cache_clear()
-        llm.eval(toks)  # what Llava15ChatHandler does for text chunks (mtmd writes image chunks)
+        llm.eval(toks)
+    want = base.create_completion(base.input_ids[:base.n_tokens].tolist(), max_tokens=10, temperature=0.0)
+    got = spec.create_completion(spec.input_ids[:spec.n_tokens].tolist(), max_tokens=10, temperature=0.0)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    st = spec.last_speculative_stats
+    assert st.fallback_reason == "" and st.drafted > 0
+
+
+def test_context_filled_outside_the_loop_falls_back(pair):
+    """A chat handler that writes the context itself (multimodal: mtmd evaluates image / audio
+    chunks straight into it and moves n_tokens) is served by plain decoding from that context,
+    reason recorded; the next request speculates again."""
+    base, spec = pair
+    toks = spec.tokenize(PROMPTS[2].encode())
+    for llm in (base, spec):
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm.eval(toks[:4])  # a text chunk, then a chunk written without our eval() (an image's)
+        llama_cpp.Llama.eval(llm, toks[4:])
     want = base.create_completion(base.input_ids[:base.n_tokens].tolist(), max_tokens=10, temperature=0.0)
     got = spec.create_completion(spec.input_ids[:spec.n_tokens].tolist(), max_tokens=10, temperature=0.0)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
@@ -293,6 +310,56 @@ def test_context_filled_outside_the_loop_falls_back(pair):
     assert got["choices"][0]["text"] == base.create_completion(PROMPTS[3], max_tokens=10, temperature=0.0)[
         "choices"][0]["text"]
     assert spec.last_speculative_stats.fallback_reason == "" and spec.last_speculative_stats.drafted > 0
+
+
+def test_partially_consumed_generate_leaves_the_base_class_state(pair):
+    """Stopping inside a step whose tokens came from accepted drafts: n_tokens and input_ids are
+    what the base class leaves (the last token handed out is not evaluated yet)."""
+    from llama_dflash.verify.oracle import ReplayDraftSource
+
+    base, spec = pair
+    toks = spec.tokenize(PROMPTS[0].encode())
+    ref = base.create_completion(toks, max_tokens=16, temperature=0.0)  # the drafts a replay source proposes
+    cont = base.tokenize(ref["choices"][0]["text"].encode(), add_bos=False)
+    spec.draft_source = ReplayDraftSource(toks + cont, spec.n_vocab())
+    try:
+        for k in (1, 2, 5, 9):
+            got = {}
+            for name, llm in (("base", base), ("spec", spec)):
+                llm.reset()
+                out = []
+                for t in llm.generate(toks, temp=0.0):
+                    out.append(t)
+                    if len(out) == k:
+                        break
+                got[name] = (out, llm.n_tokens, llm.input_ids[:llm.n_tokens].tolist())
+            assert got["spec"] == got["base"], k
+            assert k == 1 or spec.last_speculative_stats.accepted > 0, k
+    finally:
+        spec.draft_source = None
+
+
+def test_empty_stop_string_as_the_base_class(pair):
+    base, spec = pair
+    for stop in ([""], ["", "zzz"]):
+        want = base.create_completion(PROMPTS[0], max_tokens=8, temperature=0.0, stop=stop)["choices"][0]
+        got = spec.create_completion(PROMPTS[0], max_tokens=8, temperature=0.0, stop=stop)["choices"][0]
+        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"]) == ("", "stop")
+
+
+def test_pickle_keeps_the_drafter(pair):
+    import pickle
+
+    _, spec = pair
+    twin = pickle.loads(pickle.dumps(spec))
+    try:
+        assert twin.draft_model_path == spec.draft_model_path and twin._core is not None
+        assert (twin.draft_n_max, twin.speculation, twin.verify) == (spec.draft_n_max, spec.speculation, spec.verify)
+        a = twin.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0)["choices"][0]["text"]
+        assert twin.last_speculative_stats.drafted > 0
+        assert a == spec.create_completion(PROMPTS[1], max_tokens=12, temperature=0.0)["choices"][0]["text"]
+    finally:
+        twin.close()
 
 
 def test_recurrent_or_hybrid_target_falls_back(artifacts, monkeypatch):
@@ -407,3 +474,27 @@ def test_calls_after_close_are_clear_errors(artifacts):
     for call in calls:
         with pytest.raises(DFlashError, match="this Llama is closed"):
             call()
+
+
+def test_two_threads_on_one_model_are_served_one_after_the_other(pair):
+    """libllama's context is not thread-safe (the base class crashes here): ours serializes."""
+    import threading
+
+    base, spec = pair
+    want = [base.create_completion(p, max_tokens=24, temperature=0.0)["choices"][0]["text"] for p in PROMPTS[:4]]
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(2):
+                got[i] = spec.create_completion(PROMPTS[i], max_tokens=24, temperature=0.0)["choices"][0]["text"]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and [got[i] for i in range(4)] == want

@@ -15,7 +15,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define DFLASH_MAX_LAYERS 64
 #define DFLASH_MAX_SEQ 16
 #define DFLASH_GRAPH_SIZE 4096
 #define DFLASH_INJECT_CHUNK 512

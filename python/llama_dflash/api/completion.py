@@ -183,7 +183,8 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
                 continue
 
             if stop_sequences:  # only a stop string that ends in the new bytes can be new
-                base = max(0, checked - longest_stop + 1)
+                # (an empty stop string matches at 0, as in the base class: the text is then "")
+                base = max(0, checked - longest_stop + 1) if longest_stop and all(stop_sequences) else 0
                 window = bytes(raw[skip + base:])
                 hits = [s for s in stop_sequences if s in window]
                 if hits:
@@ -200,6 +201,9 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
                 text = bytes(raw[skip:])
                 finish_reason = "length"
                 break
+        else:  # the generator ended first: the context is full
+            text = bytes(raw[skip:])
+            finish_reason = "length"
     finally:
         llm._dflash_rows = None
 

@@ -88,6 +88,30 @@ class SpeculativeTotals(Acceptance):
         return d
 
 
+class _Serial:
+    """One request at a time on one model (libllama's context is not thread-safe): another thread
+    waits; the thread already inside (a generator it has not finished, a completion's own eval)
+    goes on.  A plain Lock, not an RLock: an abandoned generator may be closed -- and release it --
+    in whichever thread the garbage collector runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            yield
+            return
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
 class Llama(llama_cpp.Llama):
     """Drop-in llama_cpp.Llama with a DFlash / DFlash2 drafter.
 
@@ -154,6 +178,7 @@ class Llama(llama_cpp.Llama):
         if exact:
             kwargs["flash_attn"] = flash_attn
         self.__dict__["_exact"] = exact  # read by the model_params setter, during the base's init
+        self.__dict__["_serial"] = _Serial()
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
         self.on_step: StepCallback | None = None        # receives each verify step's cache state
@@ -161,6 +186,7 @@ class Llama(llama_cpp.Llama):
         self._core: EngineCore | None = None
         self._unavailable: str | None = None
         self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
+        self._eval_end = 0          # n_tokens as the last eval() left it
         if draft_model_path is not None:
             check_file(draft_model_path, "drafter")
             # built as soon as the base class has loaded the model, before it creates the context:
@@ -174,6 +200,7 @@ class Llama(llama_cpp.Llama):
         self.draft_p_min = draft_p_min
         self.draft_n_min = draft_n_min
         self.grammar_aware_drafting = bool(grammar_aware_drafting)
+        self.draft_model_path = draft_model_path
         self.last_speculative_stats: SpecStats | None = None
         self.speculative_stats_total = SpeculativeTotals()
         if self._core is None:
@@ -182,6 +209,15 @@ class Llama(llama_cpp.Llama):
         self._unavailable = self._core.unavailable
         limit = self._core.max_draft_len  # the drafter's block - 1 (exact mode: the invariant batches)
         self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))
+
+    def __getstate__(self) -> dict:
+        """The base class's init arguments plus the drafter's: unpickling loads both again."""
+        state = super().__getstate__()
+        state.update(draft_model_path=self.draft_model_path, draft_n_max=getattr(self, "draft_n_max", None),
+                     draft_n_min=self.draft_n_min, draft_p_min=self.draft_p_min, verify=self.verify,
+                     speculation=self.speculation, grammar_aware_drafting=self.grammar_aware_drafting,
+                     exact=self.exact)
+        return state
 
     # Exact mode: the base class fills ``self.model_params`` before it loads the model; the
     # struct it assigns gets exact mode's model setting (no repacked CPU weights) at once.
@@ -271,9 +307,11 @@ class Llama(llama_cpp.Llama):
             return None
         if self.speculation == "off":
             return "speculation off"
-        if self._outside_eval:
-            # a chat handler (multimodal: image / audio chunks) filled the context itself
-            return "prompt evaluated outside the speculative loop (multimodal chunks)"
+        if self._outside_eval and self.n_tokens != self._eval_end:
+            # eval() ran, then something else moved n_tokens: a chat handler (multimodal: image /
+            # audio chunks) filled the context itself, with what no token list describes
+            return "context filled outside the speculative loop (multimodal chunks)"
+        # (after the caller's own eval() of tokens alone, the loop prefills them again: speculates)
         if self._logits_all:
             return "logits_all (scores of every position)"
         if mirostat_mode:
@@ -283,7 +321,12 @@ class Llama(llama_cpp.Llama):
         return None
 
     @functools.wraps(llama_cpp.Llama.generate)
-    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+    def generate(self, tokens: Sequence[int], *args, **kwargs) -> Iterator[int]:
+        # one request at a time: another thread's waits here until this generator finishes or closes
+        with self._serial.hold():
+            yield from self._generate(tokens, *args, **kwargs)
+
+    def _generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
@@ -321,9 +364,12 @@ class Llama(llama_cpp.Llama):
         toks = [int(t) for t in tokens]
         # Like the base generator, run until the caller stops (create_completion may read a few
         # tokens past max_tokens to complete a UTF-8 character); drafts stop at its max_tokens.
-        max_tokens = min(self.n_ctx(), self._core.n_ctx) - len(toks)
-        if max_tokens < 1:
-            return
+        # usable positions: llama.cpp's context, the drafter's, and the base class's token buffers (sized
+        # by the n_ctx asked for, which llama.cpp may have raised to its floor)
+        n_ctx = min(self.n_ctx(), self._core.n_ctx, len(self.input_ids))
+        max_tokens = n_ctx - len(toks)
+        if max_tokens < 1:  # (as create_completion says it)
+            raise ValueError(f"Requested tokens ({len(toks)}) exceed context window of {n_ctx}")
         sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                             repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
@@ -345,15 +391,18 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.embed)
     def embed(self, *args, **kwargs):
-        self._forget()  # embedding clears the KV cache
-        return super().embed(*args, **kwargs)
+        with self._serial.hold():
+            self._forget()  # embedding clears the KV cache
+            return super().embed(*args, **kwargs)
 
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
-        if getattr(self, "_core", None) is not None:
-            self._outside_eval = True  # the next generation must use what this put in the context
-            self._forget()
-        super().eval(tokens)
+        with self._serial.hold():
+            if getattr(self, "_core", None) is not None:
+                self._outside_eval = True  # the next generation must use what this put in the context
+                self._forget()
+            super().eval(tokens)
+            self._eval_end = self.n_tokens
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
                    stopping_criteria=None, rows: tuple[list, int] | None = None) -> Iterator[int]:
@@ -364,6 +413,7 @@ class Llama(llama_cpp.Llama):
         ids = np.empty(len(toks) + max_tokens, dtype=np.intc)
         ids[:len(toks)] = toks
         n_ids = len(toks)
+        self._outside_eval = False  # the loop prefills the prompt itself: the context is ours again
         with self._core.run(toks, req, draft_source=self.draft_source, on_step=self.on_step, history=toks) as run:
             try:
                 for step in run.steps():
@@ -386,8 +436,9 @@ class Llama(llama_cpp.Llama):
                     self._record_stats(run.stats())
                 # Tell the base class what the KV cache now holds (everything committed but the last
                 # token), so that its own prefix matching and bookkeeping stay true.
+                # As the base class leaves it: the last token handed out is not evaluated yet.
                 kv_len = self._engine_kv_len()
-                kept = min(kv_len, n_ids)
+                kept = min(kv_len, max(n_ids - 1, len(toks)))
                 if kept < kv_len:  # the consumer stopped inside a step: drop what it never saw
                     llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
                     self._core.forget()
@@ -410,6 +461,10 @@ class Llama(llama_cpp.Llama):
         tot.grammar_skipped += s.grammar_skipped
 
     def close(self) -> None:
+        with self.__dict__["_serial"].hold() if "_serial" in self.__dict__ else contextlib.nullcontext():
+            self._close()
+
+    def _close(self) -> None:
         if getattr(self, "_core", None) is not None:
             self._core.close()  # before the context it drives
             self._core = None

@@ -105,7 +105,10 @@ def _cache_key(model_path: str, n_threads: int, n_rows: int) -> str:
 def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int) -> Verdict:
     """Probe batches of 2..n_rows rows on the target context ``ctx`` (``llama_context *``, before
     its first use: its memory is cleared afterwards); cached when ``model_path`` is given."""
-    n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER))
+    n_batch = int(llama_cpp.llama_n_batch(ctx))
+    if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
+        raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
+    n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
     key = _cache_key(os.fspath(model_path), n_threads, n_rows) if model_path else ""
     store = JsonStore("exact-verdicts.json")
     if key and isinstance(hit := store.get(key), dict):

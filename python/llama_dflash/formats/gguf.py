@@ -220,6 +220,8 @@ def write_keys(w: GGUFWriter, cfg: DrafterConfig) -> None:
     """The hyper-parameter keys of cfg, as the format table says (type, and when each is written)."""
     def put(key: str, typ: str, value) -> None:
         if typ == "U32":
+            if not 0 <= int(value) < 2**32:  # (the loader checks ranges; this is what the type can hold)
+                raise ValueError(f"{key} = {value} does not fit the file's unsigned 32-bit field")
             w.add_uint32(key, int(value))
         elif typ == "F32":
             w.add_float32(key, float(value))

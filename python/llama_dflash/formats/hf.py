@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
+from .._native import lib
 from ..errors import DFlashError
 from .check import check_drafter
 from .config import DrafterConfig
@@ -140,11 +141,15 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         raise ConvertError(f"{cfg_path}: {field}: {msg}")
 
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str):
+        arch = None
     if arch not in ARCHITECTURES:
         fail("architectures", f"{arch!r} is not a DFlash drafter (expected one of {sorted(ARCHITECTURES)})")
     version = ARCHITECTURES[arch]
     dc = cfg.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        fail("dflash_config", f"{dc!r} is not an object")
 
     def get(key, default=None, nested_first=True):
         if nested_first and key in dc:
@@ -155,6 +160,8 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         if not isinstance(cfg.get(k), int) or cfg[k] <= 0:
             fail(k, "missing or not a positive integer")
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    if L > lib.DFLASH_MAX_LAYERS:  # (before anything is sized by it)
+        fail("num_hidden_layers", f"{L} layers (the core supports 1..{lib.DFLASH_MAX_LAYERS})")
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or H // n_head
@@ -189,7 +196,7 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     if ids is None:
         n_t = cfg.get("num_target_layers") or target.n_layer
         ids = default_target_layer_ids(n_t, L)
-    if not ids or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         fail("dflash_config.target_layers", f"{ids!r} is not a list of layer ids")
     for i in ids:
         if not 0 <= i < target.n_layer - 1:
@@ -197,8 +204,12 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
                                                    f"({target.n_layer} layers; usable 0..{target.n_layer - 2})")
 
     rp = cfg.get("rope_parameters") or {}
+    if not isinstance(rp, dict):
+        fail("rope_parameters", f"{rp!r} is not an object")
     theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or rp
+    if not isinstance(scaling, dict):
+        fail("rope_scaling", f"{scaling!r} is not an object")
     rtype = scaling.get("rope_type", scaling.get("type")) or "default"
     if rtype not in ("default", "linear", "yarn"):
         fail("rope_scaling", f"rope type {rtype!r} is not supported (default, linear, yarn)")
@@ -224,22 +235,35 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     if layer_types and len(layer_types) != L:
         fail("layer_types", f"{len(layer_types)} entries for {L} layers")
 
+    def num(name: str, v, default, kind=float):
+        """A number from the config (null: the default); anything else is refused by name."""
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            fail(name, f"{v!r} is not {'an integer' if kind is int else 'a number'}")
+        return kind(v)
+
     softcap = dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")) or 0.0
     out = DrafterConfig(
         n_embd=H, n_layer=L, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim, n_ff=cfg["intermediate_size"],
-        target_layers=list(ids), block_size=block, mask_token_id=mask, rope_theta=float(theta),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), causal=bool(causal),
-        n_swa=int(window) if swa else 0, swa_layers=swa,
-        embedding_scale=float(dc.get("input_embedding_scale", 1.0)),
-        logit_scale=float(dc.get("output_multiplier", 1.0)), softcap=float(softcap),
-        n_ctx_train=int(cfg.get("max_position_embeddings", 32768)),
+        target_layers=list(ids), block_size=block, mask_token_id=mask, rope_theta=num("rope_theta", theta, 10000.0),
+        rms_eps=num("rms_norm_eps", cfg.get("rms_norm_eps"), 1e-6), causal=bool(causal),
+        n_swa=num("sliding_window", window, 0, int) if swa else 0, swa_layers=swa,
+        embedding_scale=num("dflash_config.input_embedding_scale", dc.get("input_embedding_scale"), 1.0),
+        logit_scale=num("dflash_config.output_multiplier", dc.get("output_multiplier"), 1.0),
+        softcap=num("final_logit_softcapping", softcap, 0.0),
+        n_ctx_train=num("max_position_embeddings", cfg.get("max_position_embeddings"), 32768, int),
         rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [], n_vocab=target.n_vocab,
     )
     if rtype != "default":
-        out.rope_scaling, out.rope_factor = rtype, float(scaling["factor"])
-        out.rope_orig_ctx = int(scaling.get("original_max_position_embeddings") or out.n_ctx_train)
-        out.yarn_beta_fast = float(scaling.get("beta_fast", 32.0))
-        out.yarn_beta_slow = float(scaling.get("beta_slow", 1.0))
+        out.rope_scaling = rtype
+        out.rope_factor = num("rope_scaling.factor", scaling.get("factor"), None)
+        if out.rope_factor is None:
+            fail("rope_scaling.factor", "missing")
+        out.rope_orig_ctx = num("rope_scaling.original_max_position_embeddings",
+                                scaling.get("original_max_position_embeddings") or None, out.n_ctx_train, int)
+        out.yarn_beta_fast = num("rope_scaling.beta_fast", scaling.get("beta_fast"), 32.0)
+        out.yarn_beta_slow = num("rope_scaling.beta_slow", scaling.get("beta_slow"), 1.0)
 
     if version == 2:
         for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
