@@ -157,11 +157,14 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         return cfg.get(key, dc.get(key, default))
 
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(cfg.get(k), int) or cfg[k] <= 0:
+        if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0:
             fail(k, "missing or not a positive integer")
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     if L > lib.DFLASH_MAX_LAYERS:  # (before anything is sized by it)
         fail("num_hidden_layers", f"{L} layers (the core supports 1..{lib.DFLASH_MAX_LAYERS})")
+    for k in ("num_key_value_heads", "head_dim"):
+        if cfg.get(k) is not None and (isinstance(cfg[k], bool) or not isinstance(cfg[k], int) or cfg[k] <= 0):
+            fail(k, "not a positive integer")
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or H // n_head
