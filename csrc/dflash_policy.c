@@ -18,7 +18,8 @@
 #include <math.h>
 #include <string.h>
 
-#define PROBE_MAX 32         // plain steps between probes, at most (a probe costs about a third of a step)
+#define PROBE_MAX 32         // plain steps between probes, at most
+#define PROBE_BUDGET 0.02    // probes may cost this fraction of the plain steps' time
 #define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
 
 void dflash_policy_init(struct dflash_policy * p) {
@@ -133,14 +134,21 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
     if (p->gain[c] > 0.0) {
         p->gain[c] = 0.7 * p->gain[c] + 0.3 * g;
     } else {
+        // probes back off while they find nothing, as far as keeps their cost (a draft each) at
+        // PROBE_BUDGET of the time: a cheap draft source is probed often, the drafter less
+        const double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
+        int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
+        cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
         p->gain[c] = g;
-        p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < PROBE_MAX ? 2 * p->probe_every[c] : PROBE_MAX);
+        p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < cap ? 2 * p->probe_every[c] : cap);
     }
 }
 
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
                            int32_t n_acc, int32_t committed, double t_draft, double t_verify) {
     struct dflash_costs * cm = &p->costs;
+    // what the step gained over a plain one, as it happened (a plain step's time buys one token)
+    const double realised = committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1);
     if (p->have_costs && cm->n_rows >= 1) {
         // machine drift moves every size alike; each size's own curve follows more slowly
         const double model = curve(cm->t_verify, cm->n_rows, k + 1);
@@ -159,7 +167,9 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
-        const double g = p->last_gain;
+        // expected from the confidences where the drafter gives them; a draft source without them
+        // has only its outcome (the recent acceptance would lag behind a change of text)
+        const double g = conf ? p->last_gain : realised;
         if (c <= 1) {  // a draft from a cold state starts an episode: it is worth its whole streak
             p->ep_state = c;
             p->ep_gain = g;
@@ -177,7 +187,7 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     for (int32_t i = 0; i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
         const float ok = i < n_acc ? 1.0f : 0.0f;
         p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];
-        p->recent[i] += 0.15 * (ok - p->recent[i]);
+        p->recent[i] += 0.3 * (ok - p->recent[i]);
         if (!conf) continue;
         const int32_t b = bin_of(conf[i]), pos = pos_of(i);
         if (p->cal.reached[pos][b] >= CAL_CAP) {
