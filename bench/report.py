@@ -494,7 +494,7 @@ def adaptive() -> list[str]:
                 "| target | p | fixed n = 3 | fixed n = 7 | adaptive | adaptive: plain steps | predicted / measured |",
                 "|---|---|---|---|---|---|---|"]
         for label, rows in rp["targets"].items():
-            ps = sorted({k.split("/")[0] for k in rows if k.startswith("p")})
+            ps = sorted({k.split("/")[0] for k in rows if "/" in k})  # the acceptance levels, "p0.3" ...
             for pk in ps:
                 f3, f7, au = rows.get(f"{pk}/fixed_n3", {}), rows.get(f"{pk}/fixed_n7", {}), rows[f"{pk}/auto"]
                 out.append(f"| {label} | {pk[1:]} | {f3.get('vs_plain', 0):.2f}× | {f7.get('vs_plain', 0):.2f}× | "
