@@ -14,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(__file__)
 SEED = 20261201
-N = 240  # drafter mutations; the HF checkpoint gets N / 4, the CLI N / 2
+N = 160  # drafter mutations; the HF checkpoint gets N / 4, the CLI N / 2
 
 
 def test_fuzz_drafter_files_checkpoints_and_cli(artifacts, tmp_path):

@@ -64,7 +64,8 @@ def test_adaptive_is_exact_in_exact_mode(cache):
                 assert auto.tokens == plain.tokens, (p, sp)
                 _check_stats(auto.stats)
                 drafted += auto.stats.drafted
-            rej = g.generate(toks, 32, sampling=SamplingParams(temperature=0.8, seed=3, mode="rejection"))
+            rej = g.generate(toks, 32, stop_on_eos=False,
+                             sampling=SamplingParams(temperature=0.8, seed=3, mode="rejection"))
             assert rej.stats.mode == "rejection" and rej.stats.n_generated == 32
             _check_stats(rej.stats)
         assert drafted > 0  # the trained drafter's confident drafts were verified
