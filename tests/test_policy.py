@@ -134,7 +134,8 @@ def test_unusable_costs_fall_back_to_the_unit_model(artifacts, cache):
 
 
 def test_useless_drafts_turn_into_plain_steps(artifacts, cache):
-    """A draft source whose every token is wrong: the policy stops drafting after a few probes."""
+    """A draft source whose every token is wrong: its drafts are soon no longer verified, and the
+    source is called only for probes (often: a Python source costs little to ask)."""
     a = artifacts["llama"]
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
         ref = g.generate("Once upon a time", 96, draft_len=0)
@@ -142,7 +143,8 @@ def test_useless_drafts_turn_into_plain_steps(artifacts, cache):
         out = g.generate("Once upon a time", 96, draft_source=wrong)
         assert out.tokens == ref.tokens
         s = out.stats
-        assert s.accepted == 0 and s.plain_steps >= 0.7 * s.steps and s.probes >= 1
+        assert s.accepted == 0 and s.drafted <= 0.1 * s.steps  # few wasted verify rows
+        assert s.plain_steps >= 0.5 * s.steps and s.probes >= 1
 
 
 def test_perfect_drafts_are_verified_long(artifacts, cache):
