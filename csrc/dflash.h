@@ -173,12 +173,21 @@ int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, fl
  * sequences get states of their own (each a context cache of n_ctx positions);
  * their blocks can then be drafted together in one graph. */
 dflash_state * dflash_state_new(dflash_drafter * d, char * err, size_t err_len);
+dflash_state * dflash_drafter_default_state(dflash_drafter * d);  /* the single-sequence API's (owned by d) */
 void    dflash_state_free(dflash_state * st);
 void    dflash_state_reset(dflash_state * st);
 int32_t dflash_state_truncate(dflash_state * st, int32_t n);
 int32_t dflash_state_n_ctx_used(const dflash_state * st);
 int32_t dflash_state_push(dflash_state * st, const float * rows, int32_t n_rows, char * err, size_t err_len);
 int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float * scores);
+/* dflash_drafter_draft / _draft_sample on the state `st` instead of the drafter's own. */
+int32_t dflash_state_draft(dflash_state * st, int32_t anchor, int32_t n, float p_min,
+                           struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
+                           float * out_logits, char * err, size_t err_len);
+int32_t dflash_state_draft_sample(dflash_state * st, int32_t anchor, int32_t n, float temperature,
+                                  struct dflash_rng * rng, struct dflash_token_filter * filter,
+                                  int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
+                                  char * err, size_t err_len);
 /* Greedy draft of n tokens for each of n_seq states (distinct, same drafter) after
  * anchors[s]; out_tokens: n_seq x n; out_logits (optional): n_seq x n x n_vocab.
  * Returns n, or -1. */
@@ -330,6 +339,12 @@ typedef void (*dflash_step_fn)(void * user_data, const struct dflash_step * step
 dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d,
                                   dflash_capture * c, char * err, size_t err_len);
 void dflash_engine_free(dflash_engine * e);
+/* An engine on sequence seq_id of a context shared with other engines (n_seq_max > seq_id;
+ * a unified KV cache keeps their joint batches in one ubatch), with a drafter state of its
+ * own (the drafter and capture are shared).  Such engines step together, see
+ * dflash_engine_step_group; prefix reuse, rollback and resets touch only their sequence. */
+dflash_engine * dflash_engine_new_seq(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
+                                      int32_t seq_id, char * err, size_t err_len);
 void dflash_engine_set_draft_fn(dflash_engine * e, dflash_draft_fn fn, void * user_data);
 void dflash_engine_set_step_fn(dflash_engine * e, dflash_step_fn fn, void * user_data);
 
@@ -349,6 +364,14 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
 int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins,
                            char * err, size_t err_len);
 void    dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out);
+/* One step of each of n engines (dflash_engine_new_seq, one context, distinct sequences, each
+ * started) with a single llama_decode of all their verify rows: several requests' steps cost
+ * little more than one on a compute-bound machine.  out_tokens: n x DFLASH_MAX_ROWS; out_counts[i]:
+ * what dflash_engine_step would return for engine i (tokens committed, 0 once it has finished,
+ * -1: its own error, in err; the others still step).  An adaptive engine prices its rows at
+ * their marginal cost in the joint batch.  Returns 0, or -1 when the joint decode failed. */
+int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t * out_tokens, int32_t * out_counts,
+                                 char * err, size_t err_len);
 /* Logits (n_vocab floats, the target's raw row) that produced the k-th token returned
  * by the last start (k = 0) or step; valid until the next start / step. */
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);

@@ -18,6 +18,20 @@
 
 _Static_assert(DFLASH_MAX_ROWS == DFLASH_MAX_DRAFT + 1, "dflash.h: DFLASH_MAX_ROWS");
 
+#define DFLASH_MAX_SEQ_GROUP 64  // engines one group step takes
+
+// One step between drafting and verification: what is verified, and what the policy needs after.
+struct step_plan {
+    int32_t verify[DFLASH_MAX_DRAFT + 1];  // the anchor, then the drafts kept
+    int32_t n_drafted;                     // drafts verified
+    int32_t n_made;                        // drafts asked of the drafter (its cost)
+    int32_t q_k;                           // rejection: candidates per slot in q_cand / q_prob
+    bool adaptive;
+    float conf_buf[DFLASH_MAX_DRAFT];
+    const float * conf;                    // each drafted slot's confidence, when the drafter gives one
+    double t_draft;
+};
+
 struct dflash_engine {
     struct llama_context * ctx;
     const struct llama_model * model;
@@ -48,10 +62,15 @@ struct dflash_engine {
     int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
     float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
     struct dflash_policy policy;           // adaptive draft lengths: the cost model and calibration
+    int32_t seq;               // the target sequence this engine drives
+    bool shared;               // on a context shared with other engines (dflash_engine_new_seq)
+    dflash_state * st;         // the drafter state: the drafter's own, or (shared) this engine's
+    int32_t row0;              // this engine's first row in the last verify decode
+    struct step_plan plan;     // the step between its draft and its verify
 };
 
-dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
-                                  char * err, size_t err_len) {
+static dflash_engine * engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c, int32_t seq,
+                                  bool shared, char * err, size_t err_len) {
     if (!tctx) {
         dflash_seterr(err, err_len, "a target context is required");
         return NULL;
@@ -76,6 +95,7 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
     e->n_vocab = llama_vocab_n_tokens(e->vocab);
     // llama.cpp may round n_ctx up; the usable context is what both caches hold.
     e->n_ctx = (int32_t) llama_n_ctx(tctx);
+    if (shared) e->n_ctx /= (int32_t) llama_n_seq_max(tctx);  // each sequence its share of the cells
     if (d) {
         struct dflash_drafter_info info;
         dflash_drafter_get_info(d, &info);
@@ -84,6 +104,13 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
     e->n_batch = (int32_t) llama_n_batch(tctx);
     e->drafter = d;
     e->capture = c;
+    e->seq = seq;
+    e->shared = shared;
+    e->st = d ? (shared ? dflash_state_new(d, err, err_len) : dflash_drafter_default_state(d)) : NULL;
+    if (d && !e->st) {
+        free(e);
+        return NULL;
+    }
     dflash_policy_init(&e->policy);
     e->batch = llama_batch_init(e->n_batch > DFLASH_MAX_DRAFT + 1 ? e->n_batch : DFLASH_MAX_DRAFT + 1, 0, 1);
     e->p = malloc(sizeof(float) * (size_t) e->n_vocab);
@@ -96,8 +123,24 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
     return e;
 }
 
+dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
+                                  char * err, size_t err_len) {
+    return engine_new(tctx, d, c, 0, false, err, err_len);
+}
+
+dflash_engine * dflash_engine_new_seq(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
+                                      int32_t seq_id, char * err, size_t err_len) {
+    if (tctx && (seq_id < 0 || seq_id >= (int32_t) llama_n_seq_max(tctx))) {
+        dflash_seterr(err, err_len, "sequence %d is outside the context's 0..%d", seq_id,
+                      (int32_t) llama_n_seq_max(tctx) - 1);
+        return NULL;
+    }
+    return engine_new(tctx, d, c, seq_id, true, err, err_len);
+}
+
 void dflash_engine_free(dflash_engine * e) {
     if (!e) return;
+    if (e->shared) dflash_state_free(e->st);
     llama_batch_free(e->batch);
     free(e->history);
     free(e->p);
@@ -143,7 +186,7 @@ static int32_t decode(struct dflash_engine * e, const int32_t * tokens, int32_t 
         b->token[i] = tokens[i];
         b->pos[i] = pos0 + i;
         b->n_seq_id[i] = 1;
-        b->seq_id[i][0] = 0;
+        b->seq_id[i][0] = e->seq;
         b->logits[i] = i >= first_logit;
     }
     if (e->capture) dflash_capture_begin(e->capture);
@@ -175,6 +218,16 @@ static bool check_tokens(const struct dflash_engine * e, const int32_t * tokens,
     return true;
 }
 
+// Empty this engine's target sequence (the whole cache when the context is its own).
+static void clear_target(struct dflash_engine * e) {
+    llama_memory_t mem = llama_get_memory(e->ctx);
+    if (e->shared) {
+        llama_memory_seq_rm(mem, e->seq, -1, -1);
+    } else {
+        llama_memory_clear(mem, true);
+    }
+}
+
 int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_t n, float * out, char * err,
                                size_t err_len) {
     if (!e->capture) {
@@ -188,7 +241,7 @@ int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_
     if (!check_tokens(e, tokens, n, err, err_len)) return -1;
     const size_t width = (size_t) dflash_capture_row_width(e->capture);
     dflash_engine_forget(e);
-    llama_memory_clear(llama_get_memory(e->ctx), true);
+    clear_target(e);
     for (int32_t p = 0; p < n; p += e->n_batch) {
         const int32_t m = n - p < e->n_batch ? n - p : e->n_batch;
         const float * feats = NULL;
@@ -201,8 +254,11 @@ int32_t dflash_engine_features(dflash_engine * e, const int32_t * tokens, int32_
 // The target's sampling distribution for one verify row: the request's transforms
 // (penalties, grammar, top-k/p, min-p, temperature, ...) applied to the row's logits,
 // then the softmax of what survives -- exactly what the chain's dist sampler draws from.
+// Row i of this engine's part of the last decode (-1: the last row of a prefill).
+static int32_t row_of(const struct dflash_engine * e, int32_t i) { return i < 0 ? i : e->row0 + i; }
+
 static void target_probs(struct dflash_engine * e, int32_t row, struct llama_sampler * transforms) {
-    const float * lg = llama_get_logits_ith(e->ctx, row);
+    const float * lg = llama_get_logits_ith(e->ctx, row_of(e, row));
     for (int32_t v = 0; v < e->n_vocab; v++) {
         e->cur[v].id = v;
         e->cur[v].logit = lg[v];
@@ -255,19 +311,18 @@ static void grammar_accept(void * grammar, int32_t token) {
 // its own state).  margin (optional): the row's raw top-1 minus top-2 logit.
 static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_params * prm, int32_t row,
                           float * margin) {
-    if (prm->mode != DFLASH_VERIFY_GREEDY && margin) {
-        argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
-    }
+    const float * lg = llama_get_logits_ith(e->ctx, row_of(e, row));
+    if (prm->mode != DFLASH_VERIFY_GREEDY && margin) argmax_margin(lg, e->n_vocab, margin);
     if (prm->mode == DFLASH_VERIFY_MATCH) {
         if (prm->grammar_argmax && prm->grammar) {
-            const int32_t best = argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, NULL);
+            const int32_t best = argmax_margin(lg, e->n_vocab, NULL);
             if (grammar_allowed(prm->grammar, best)) {
                 e->stats.grammar_argmax++;
                 llama_sampler_accept(prm->sampler, best);
                 return best;
             }
         }
-        return llama_sampler_sample(prm->sampler, e->ctx, row);
+        return llama_sampler_sample(prm->sampler, e->ctx, row_of(e, row));
     }
     if (prm->mode == DFLASH_VERIFY_REJECTION) {
         target_probs(e, row, prm->sampler);
@@ -275,12 +330,13 @@ static int32_t pick_token(struct dflash_engine * e, const struct dflash_engine_p
         if (prm->sampler) llama_sampler_accept(prm->sampler, tok);
         return tok;
     }
-    return argmax_margin(llama_get_logits_ith(e->ctx, row), e->n_vocab, margin);
+    return argmax_margin(lg, e->n_vocab, margin);
 }
 
 static int32_t target_len(const struct dflash_engine * e) {
-    return llama_memory_seq_pos_max(llama_get_memory(e->ctx), 0) + 1;
+    return llama_memory_seq_pos_max(llama_get_memory(e->ctx), e->seq) + 1;
 }
+
 
 int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n_prompt,
                             const struct dflash_engine_params * params, float * out_margin, char * err,
@@ -355,16 +411,16 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     // keep their common prefix with this prompt (never the last prompt token: its logits are needed).
     llama_memory_t mem = llama_get_memory(e->ctx);
     int32_t reuse = 0;
-    if (params->reuse_prefix && e->n_past > 0 && llama_memory_seq_pos_max(mem, 0) + 1 == e->n_past &&
-        (!e->drafter || dflash_drafter_n_ctx_used(e->drafter) == e->n_past)) {
+    if (params->reuse_prefix && e->n_past > 0 && llama_memory_seq_pos_max(mem, e->seq) + 1 == e->n_past &&
+        (!e->drafter || dflash_state_n_ctx_used(e->st) == e->n_past)) {
         while (reuse < e->n_past && reuse < n_prompt - 1 && e->history[reuse] == prompt[reuse]) reuse++;
-        if (reuse > 0 && !llama_memory_seq_rm(mem, 0, reuse, -1)) reuse = 0; // no partial removal (recurrent)
+        if (reuse > 0 && !llama_memory_seq_rm(mem, e->seq, reuse, -1)) reuse = 0; // no partial removal (recurrent)
     }
     if (reuse > 0) {
-        if (e->drafter) dflash_drafter_truncate(e->drafter, reuse);
+        if (e->drafter) dflash_state_truncate(e->st, reuse);
     } else {
-        llama_memory_clear(mem, true);
-        if (e->drafter) dflash_drafter_reset(e->drafter);
+        clear_target(e);
+        if (e->drafter) dflash_state_reset(e->st);
     }
     e->n_past = 0; // until this generation's prefill is done
     memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
@@ -380,7 +436,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
         const int32_t n = n_prompt - p < e->n_batch ? n_prompt - p : e->n_batch;
         const float * feats = NULL;
         if (decode(e, prompt + p, n, p, p + n == n_prompt ? n - 1 : n, &feats, err, err_len) != 0) return -1;
-        if (e->drafter && dflash_drafter_push(e->drafter, feats, n, err, err_len) != 0) return -1;
+        if (e->drafter && dflash_state_push(e->st, feats, n, err, err_len) != 0) return -1;
     }
     dflash_rng_seed(&e->rng, params->seed);
     st->mode = params->mode;
@@ -400,19 +456,21 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     return tok;
 }
 
-int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins, char * err, size_t err_len) {
+// A step's first half: decide the draft length, draft, choose what to verify (e->plan).
+// max_rows: the rows this step may verify; base_rows: other sequences' rows in the same batch.
+// Returns 1 (a step to verify), 0 (the generation has ended) or -1.
+static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t base_rows, char * err,
+                            size_t err_len) {
     if (!e->active || e->eos || e->n_gen >= e->prm.max_tokens) {
         e->active = false;
         return 0;
     }
     const struct dflash_engine_params * params = &e->prm;
     struct dflash_stats * st = &e->stats;
+    struct step_plan * pl = &e->plan;
     const bool rejection = params->mode == DFLASH_VERIFY_REJECTION;
-    int32_t drafts[DFLASH_MAX_DRAFT + 1];
-    int32_t verify[DFLASH_MAX_DRAFT + 1];
+    int32_t * drafts = pl->verify + 1;
     int32_t q_k = 0;
-    float margin = 0.0f;
-    int32_t tok = 0;
 
     // Never draft past the token budget or the context.
     const int32_t budget = params->draft_budget > 0 && params->draft_budget < params->max_tokens
@@ -420,15 +478,16 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     int32_t n = params->n_draft;
     if (n > budget - e->n_gen - 1) n = budget - e->n_gen - 1;
     if (n > e->n_ctx - e->n_past - 1) n = e->n_ctx - e->n_past - 1;
-    if (n > e->n_batch - 1) n = e->n_batch - 1;  // one llama_decode takes at most n_batch rows
+    if (n > max_rows - 1) n = max_rows - 1;  // one llama_decode takes at most n_batch rows
     if (n < 0) n = 0;
     const int32_t anchor = e->history[e->n_hist - 1];
 
     // Adaptive: the cost model decides whether to draft and how much (docs/architecture.md §5.9).
     const bool adaptive = params->adaptive && n > 0;
     bool probe = false;
+    e->policy.base_rows = base_rows;
     if (adaptive) n = dflash_policy_plan(&e->policy, n, &probe);
-    float conf_buf[DFLASH_MAX_DRAFT];
+    float * conf_buf = pl->conf_buf;
     float * conf = NULL;  // each drafted slot's confidence, when the drafter gives one
     float expected[DFLASH_MAX_DRAFT];
 
@@ -455,12 +514,12 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
                 }
             }
         } else if (e->drafter && rejection) {
-            n_drafted = dflash_drafter_draft_sample(e->drafter, anchor, n, params->temperature, &e->rng, gf,
-                                                    drafts, e->q_cand, e->q_prob, &q_k, err, err_len);
+            n_drafted = dflash_state_draft_sample(e->st, anchor, n, params->temperature, &e->rng, gf, drafts,
+                                                  e->q_cand, e->q_prob, &q_k, err, err_len);
         } else if (e->drafter) {
             conf = adaptive ? conf_buf : NULL;
-            n_drafted = dflash_drafter_draft(e->drafter, anchor, n, params->p_min, gf, drafts, conf, NULL, err,
-                                             err_len);
+            n_drafted = dflash_state_draft(e->st, anchor, n, params->p_min, gf, drafts, conf, NULL, err,
+                                           err_len);
         }
         if (adaptive && rejection && n_drafted > 0) {  // a sampled slot's confidence: its q
             conf = conf_buf;
@@ -500,12 +559,32 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
         st->probes += probe;
         for (int32_t i = 0; i < n_drafted; i++) st->per_position_expected[i] += expected[i];
     }
-    const double tb = dflash_now();
+    pl->verify[0] = anchor;
+    pl->n_drafted = n_drafted;
+    pl->n_made = n_made;
+    pl->q_k = q_k;
+    pl->adaptive = adaptive;
+    pl->conf = conf;
+    pl->t_draft = dflash_now() - ta;
+    return 1;
+}
 
-    verify[0] = anchor;
-    memcpy(verify + 1, drafts, sizeof(int32_t) * n_drafted);
-    const float * feats = NULL;
-    if (decode(e, verify, n_drafted + 1, e->n_past, 0, &feats, err, err_len) != 0) return -1;
+// A step's second half, after the decode of e->plan.verify (this engine's rows from e->row0;
+// feats: their features): accept, commit, roll back, learn.  t_verify: the decode's seconds,
+// rows_total: its rows.  Returns the tokens committed.
+static int32_t step_finish(struct dflash_engine * e, const float * feats, double t_verify, int32_t rows_total,
+                           int32_t * out_tokens, float * out_margins, char * err, size_t err_len) {
+    const struct dflash_engine_params * params = &e->prm;
+    struct dflash_stats * st = &e->stats;
+    const struct step_plan * pl = &e->plan;
+    const bool rejection = params->mode == DFLASH_VERIFY_REJECTION;
+    const int32_t * drafts = pl->verify + 1;
+    const int32_t n_drafted = pl->n_drafted, n_made = pl->n_made, q_k = pl->q_k;
+    const bool adaptive = pl->adaptive;
+    const float * conf = pl->conf;
+    float margin = 0.0f;
+    int32_t tok = 0;
+    const double tb = dflash_now();
 
     int32_t n_acc = 0, n_out = 0;
     for (int32_t i = 0; i <= n_drafted; i++) {
@@ -558,15 +637,17 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
 
     // Roll back the rejected rows; the drafter gets the kept rows' features.
     const int32_t n_keep = n_acc + 1;
-    if (n_keep < n_drafted + 1 && !llama_memory_seq_rm(llama_get_memory(e->ctx), 0, e->n_past + n_keep, -1)) {
+    if (n_keep < n_drafted + 1 && !llama_memory_seq_rm(llama_get_memory(e->ctx), e->seq, e->n_past + n_keep, -1)) {
         dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
         return -1;
     }
-    if (e->drafter && dflash_drafter_push(e->drafter, feats, n_keep, err, err_len) != 0) return -1;
+    if (e->drafter && dflash_state_push(e->st, feats, n_keep, err, err_len) != 0) return -1;
     e->n_past += n_keep;
     e->n_gen += n_out;
 
-    dflash_policy_observe(&e->policy, adaptive, n_made, conf, n_drafted, n_acc, n_out, tb - ta, tc - tb);
+    const double t_v = t_verify + (tc - tb);  // the decode and this engine's accept loop
+    dflash_policy_observe(&e->policy, adaptive, n_made, conf, n_drafted, n_acc, n_out, pl->t_draft, t_v,
+                          rows_total);
     st->steps++;
     st->length_hist[n_drafted]++;
     st->drafted += n_drafted;
@@ -575,18 +656,111 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
         st->per_position_drafted[i]++;
         if (i < n_acc) st->per_position_accepted[i]++;
     }
-    st->t_draft_s += tb - ta;
-    st->t_verify_s += tc - tb;
+    st->t_draft_s += pl->t_draft;
+    st->t_verify_s += t_v;
     st->t_total_s = dflash_now() - e->t_start;
     st->n_generated = e->n_gen;
     st->stop_reason = e->eos ? 1 : (e->n_gen >= params->max_tokens ? 2 : 0);
 
     if (e->step_fn) {
         struct dflash_step s = { st->steps, n_drafted, n_acc, e->n_hist, target_len(e),
-                                 e->drafter ? dflash_drafter_n_ctx_used(e->drafter) : e->n_past };
+                                 e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past };
         e->step_fn(e->step_ud, &s);
     }
     return n_out;
+}
+
+
+int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_margins, char * err, size_t err_len) {
+    const int32_t rc = step_prepare(e, e->n_batch, 0, err, err_len);
+    if (rc <= 0) return rc;
+    const struct step_plan * pl = &e->plan;
+    const float * feats = NULL;
+    e->row0 = 0;
+    const double t0 = dflash_now();
+    if (decode(e, pl->verify, pl->n_drafted + 1, e->n_past, 0, &feats, err, err_len) != 0) return -1;
+    return step_finish(e, feats, dflash_now() - t0, pl->n_drafted + 1, out_tokens, out_margins, err, err_len);
+}
+
+int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t * out_tokens, int32_t * out_counts,
+                                 char * err, size_t err_len) {
+    if (n < 1) return 0;
+    if (n > DFLASH_MAX_SEQ_GROUP) {
+        dflash_seterr(err, err_len, "a group steps at most %d engines (got %d)", DFLASH_MAX_SEQ_GROUP, n);
+        return -1;
+    }
+    struct dflash_engine * e0 = engines[0];
+    for (int32_t i = 0; i < n; i++) {
+        out_counts[i] = 0;
+        const struct dflash_engine * e = engines[i];
+        if (!e || !e->shared || e->ctx != e0->ctx || e->capture != e0->capture || e->drafter != e0->drafter) {
+            dflash_seterr(err, err_len, "engine %d is not a sequence engine of this group's context", i);
+            return -1;
+        }
+        for (int32_t j = 0; j < i; j++) {
+            if (engines[j]->seq == e->seq) {
+                dflash_seterr(err, err_len, "engines %d and %d drive the same sequence %d", j, i, e->seq);
+                return -1;
+            }
+        }
+    }
+    // each engine plans against the others' anchors (a lower bound of their rows), within its share of
+    // the batch
+    int32_t live = 0;
+    for (int32_t i = 0; i < n; i++) live += engines[i]->active;
+    const int32_t share = live > 0 ? e0->n_batch / live : e0->n_batch;
+    bool go[DFLASH_MAX_SEQ_GROUP];
+    int32_t rows = 0;
+    for (int32_t i = 0; i < n; i++) {
+        struct dflash_engine * e = engines[i];
+        const int32_t rc = step_prepare(e, share, live > 0 ? live - 1 : 0, err, err_len);
+        go[i] = rc == 1;
+        if (rc < 0) out_counts[i] = -1;
+        if (go[i]) {
+            e->row0 = rows;
+            rows += e->plan.n_drafted + 1;
+        }
+    }
+    if (rows == 0) return 0;
+    struct llama_batch b = llama_batch_init(rows, 0, 1);
+    b.n_tokens = rows;
+    for (int32_t i = 0; i < n; i++) {
+        const struct dflash_engine * e = engines[i];
+        for (int32_t j = 0; go[i] && j <= e->plan.n_drafted; j++) {
+            const int32_t r = e->row0 + j;
+            b.token[r] = e->plan.verify[j];
+            b.pos[r] = e->n_past + j;
+            b.n_seq_id[r] = 1;
+            b.seq_id[r][0] = e->seq;
+            b.logits[r] = 1;
+        }
+    }
+    if (e0->capture) dflash_capture_begin(e0->capture);
+    const double t0 = dflash_now();
+    const int32_t rc = llama_decode(e0->ctx, b);
+    const double t_dec = dflash_now() - t0;
+    llama_batch_free(b);
+    if (rc != 0) {
+        dflash_seterr(err, err_len, "llama_decode failed (code %d) on a joint batch of %d rows", rc, rows);
+        return -1;
+    }
+    const float * feats = NULL;
+    size_t width = 0;
+    if (e0->capture) {
+        feats = dflash_capture_rows(e0->capture, rows);
+        width = (size_t) dflash_capture_row_width(e0->capture);
+        if (!feats) {
+            dflash_seterr(err, err_len, "feature capture returned incomplete rows");
+            return -1;
+        }
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (!go[i]) continue;
+        struct dflash_engine * e = engines[i];
+        out_counts[i] = step_finish(e, feats ? feats + (size_t) e->row0 * width : NULL, t_dec, rows,
+                                    out_tokens + (size_t) i * DFLASH_MAX_ROWS, NULL, err, err_len);
+    }
+    return 0;
 }
 
 void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out) {
@@ -595,7 +769,7 @@ void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out)
 
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k) {
     // start: the prefill's last row; a step: verify row k produced its k-th token
-    return llama_get_logits_ith(e->ctx, e->stats.steps == 0 ? -1 : k);
+    return llama_get_logits_ith(e->ctx, e->stats.steps == 0 ? -1 : row_of(e, k));
 }
 
 void dflash_engine_set_draft_len(dflash_engine * e, int32_t n) {
@@ -653,14 +827,14 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     for (int32_t i = 0; i < prefix + n_rows; i++) toks[i] = (int32_t) ((1000 + 31 * i) % e->n_vocab);
     llama_memory_t mem = llama_get_memory(e->ctx);
     dflash_engine_forget(e);
-    llama_memory_clear(mem, true);
-    if (e->drafter) dflash_drafter_reset(e->drafter);
+    clear_target(e);
+    if (e->drafter) dflash_state_reset(e->st);
     struct dflash_costs c;
     memset(&c, 0, sizeof(c));
     bool have[DFLASH_MAX_DRAFT + 1] = { false };
     const float * feats = NULL;
     int32_t rc = decode(e, toks, prefix, 0, prefix, &feats, err, err_len);
-    if (rc == 0 && e->drafter) rc = dflash_drafter_push(e->drafter, feats, prefix, err, err_len);
+    if (rc == 0 && e->drafter) rc = dflash_state_push(e->st, feats, prefix, err, err_len);
     // a warm-up batch, then each size as a verify step decodes it: every row's logits
     for (int32_t k = 0; rc == 0 && k <= n_rows; k++) {
         if (k > 0 && !timed_size(k, n_rows)) continue;
@@ -670,7 +844,7 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
             rc = decode(e, toks + prefix, k > 0 ? k : 1, prefix, 0, &feats, err, err_len);
             const double t = dflash_now() - t0;
             best = t < best ? t : best;
-            if (!llama_memory_seq_rm(mem, 0, prefix, -1)) {
+            if (!llama_memory_seq_rm(mem, e->seq, prefix, -1)) {
                 dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
                 rc = -1;
             }
@@ -690,8 +864,8 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
         double best = INFINITY;
         for (int32_t r = 0; rc == 0 && r < REPS; r++) {
             const double t0 = dflash_now();
-            if (dflash_drafter_draft(e->drafter, toks[prefix], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
-                                     err_len) < 0) {
+            if (dflash_state_draft(e->st, toks[prefix], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
+                                   err_len) < 0) {
                 rc = -1;
             }
             const double t = dflash_now() - t0;
@@ -702,8 +876,8 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
             have_d[n - 1] = true;
         }
     }
-    llama_memory_clear(mem, true);
-    if (e->drafter) dflash_drafter_reset(e->drafter);
+    clear_target(e);
+    if (e->drafter) dflash_state_reset(e->st);
     if (rc != 0) return -1;
     c.n_rows = n_rows;
     c.n_draft = n_draft;

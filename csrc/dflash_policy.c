@@ -78,7 +78,16 @@ static double recent_at(const struct dflash_policy * p, int32_t i) {
     return p->recent[i] < 0.0 ? 0.5 : p->recent[i];
 }
 
-static double plain_rate(const struct dflash_policy * p) { return 1.0 / dflash_policy_t_verify(p, 1); }
+// Seconds that k rows of this sequence add to the verify batch (alone: the batch's own time).
+static double t_rows(const struct dflash_policy * p, int32_t k) {
+    const int32_t b = p->base_rows;
+    return dflash_policy_t_verify(p, b + k) - (b > 0 ? dflash_policy_t_verify(p, b) : 0.0);
+}
+
+// Tokens per second of plain steps (in a joint batch: of the batch, one token per sequence).
+static double plain_rate(const struct dflash_policy * p) {
+    return (p->base_rows + 1) / dflash_policy_t_verify(p, p->base_rows + 1);
+}
 
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
     *probe = false;
@@ -89,7 +98,7 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
     for (int32_t n = 1; n <= n_cap; n++) {
         prod *= recent_at(p, n - 1);
         E += prod;
-        const double v = E - R * (dflash_policy_t_draft(p, n) + dflash_policy_t_verify(p, n + 1));
+        const double v = E - R * (dflash_policy_t_draft(p, n) + t_rows(p, n + 1));
         if (v > best_v) {
             best_v = v;
             best_n = n;
@@ -109,22 +118,24 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
 int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32_t n, int32_t n_made,
                              float * expected) {
     const double R0 = plain_rate(p);
-    const double R = p->have_costs && p->rate > R0 ? p->rate : R0;  // (the rate is in seconds: costs needed)
-    double E = 1.0, prod = 1.0, best_v = 1.0 - R * dflash_policy_t_verify(p, 1), best_e = 1.0;
+    // (the rate is in seconds: costs needed; in a joint batch one sequence's rate means nothing)
+    const double R = p->have_costs && p->base_rows == 0 && p->rate > R0 ? p->rate : R0;
+    double E = 1.0, prod = 1.0, best_v = 1.0 - R * t_rows(p, 1), best_e = 1.0;
     int32_t best_k = 0;
     for (int32_t k = 1; k <= n; k++) {
         prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : recent_at(p, k - 1);
         E += prod;
         if (expected) expected[k - 1] = (float) prod;
-        const double v = E - R * dflash_policy_t_verify(p, k + 1);
+        const double v = E - R * t_rows(p, k + 1);
         if (v > best_v) {
             best_v = v;
             best_k = k;
             best_e = E;
         }
     }
-    // in plain-step units: a plain step's time buys one token
-    p->last_gain = best_e - R0 * (dflash_policy_t_draft(p, n_made) + dflash_policy_t_verify(p, best_k + 1));
+    // over a plain step, in plain-step units (alone, a plain step's time buys one token)
+    p->last_gain = best_e - R0 * (dflash_policy_t_draft(p, n_made) + t_rows(p, best_k + 1))
+                   - (1.0 - R0 * t_rows(p, 1));
     return best_k;
 }
 
@@ -145,17 +156,23 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
 }
 
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
-                           int32_t n_acc, int32_t committed, double t_draft, double t_verify) {
+                           int32_t n_acc, int32_t committed, double t_draft, double t_verify, int32_t rows_total) {
     struct dflash_costs * cm = &p->costs;
-    // what the step gained over a plain one, as it happened (a plain step's time buys one token)
-    const double realised = committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1);
+    // what the step gained over a plain one, as it happened (a plain step's time buys one token;
+    // in a joint batch the rows' share of it is the model's)
+    const double realised = p->base_rows == 0
+        ? committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1)
+        : committed - 1.0 - plain_rate(p) * (t_draft + t_rows(p, k + 1) - t_rows(p, 1));
+    if (rows_total < k + 1) rows_total = k + 1;
     if (p->have_costs && cm->n_rows >= 1) {
         // machine drift moves every size alike; each size's own curve follows more slowly
-        const double model = curve(cm->t_verify, cm->n_rows, k + 1);
+        const double model = curve(cm->t_verify, cm->n_rows, rows_total);
         double r = model > 0.0 ? t_verify / model : 1.0;
         r = r < 0.2 ? 0.2 : (r > 5.0 ? 5.0 : r);  // one preempted step must not swing the model
         p->speed = 0.9 * p->speed + 0.1 * r;
-        if (k + 1 <= cm->n_rows) cm->t_verify[k] += 0.05 * (t_verify / p->speed - cm->t_verify[k]);
+        if (rows_total <= cm->n_rows) {
+            cm->t_verify[rows_total - 1] += 0.05 * (t_verify / p->speed - cm->t_verify[rows_total - 1]);
+        }
         if (n_drafted >= 1 && n_drafted <= cm->n_draft) {
             cm->t_draft[n_drafted - 1] += 0.1 * (t_draft / p->speed - cm->t_draft[n_drafted - 1]);
         } else if (n_drafted >= 1 && cm->n_draft == 0) {
@@ -163,7 +180,7 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
         }
     }
     const double t = t_draft + t_verify;
-    if (t > 0.0) p->rate = p->rate > 0.0 ? 0.9 * p->rate + 0.1 * committed / t : committed / t;
+    if (t > 0.0 && p->base_rows == 0) p->rate = p->rate > 0.0 ? 0.9 * p->rate + 0.1 * committed / t : committed / t;
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)

@@ -28,6 +28,9 @@ struct dflash_policy {
     int32_t ep_state;             // the cold state (0, 1) whose draft opened the current streak, or -1
     double ep_gain;               // the streak's expected gain so far
     double rate;                  // committed tokens per second, EMA over steps
+    // rows other sequences put in the same verify batch (dflash_engine_step_group): a step's rows
+    // cost what they add to the joint batch, and the rate to beat is the batch's plain rate
+    int32_t base_rows;
 };
 
 void   dflash_policy_init(struct dflash_policy * p);
@@ -42,6 +45,8 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
 int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32_t n, int32_t n_made,
                              float * expected);
 // After the verify: whether the step was adaptive, what was drafted (n_drafted, 0 for a plain
-// step), verified (k), accepted, committed, and the measured times.
+// step), verified (k), accepted, committed, and the measured times;
+// rows_total: the rows of the decode that verified them (k + 1 alone, more in a joint batch).
 void   dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf,
-                             int32_t k, int32_t n_acc, int32_t committed, double t_draft, double t_verify);
+                             int32_t k, int32_t n_acc, int32_t committed, double t_draft, double t_verify,
+                             int32_t rows_total);

@@ -175,12 +175,12 @@ int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, i
     return dflash_run_graph(d, states, n_seq, anchors, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
 }
 
-// ---- drafts of the drafter's own state (the single-sequence API) ----------------
+// ---- drafts of one state (the drafter's own: the single-sequence API) -----------
 
-int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
-                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
-                             float * out_logits, char * err, size_t err_len) {
-    struct dflash_state * st = d->def;
+int32_t dflash_state_draft(dflash_state * st, int32_t anchor, int32_t n, float p_min,
+                           struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
+                           float * out_logits, char * err, size_t err_len) {
+    struct dflash_drafter * d = st->d;
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     if (!(p_min > 0.0f) && !filter && !out_conf) {
         return dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
@@ -196,11 +196,17 @@ int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, floa
     return rc ? -1 : req.n_out;
 }
 
-int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
-                                    struct dflash_rng * rng, struct dflash_token_filter * filter,
-                                    int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
-                                    char * err, size_t err_len) {
-    struct dflash_state * st = d->def;
+int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
+                             struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
+                             float * out_logits, char * err, size_t err_len) {
+    return dflash_state_draft(d->def, anchor, n, p_min, filter, out_tokens, out_conf, out_logits, err, err_len);
+}
+
+int32_t dflash_state_draft_sample(dflash_state * st, int32_t anchor, int32_t n, float temperature,
+                                  struct dflash_rng * rng, struct dflash_token_filter * filter,
+                                  int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
+                                  char * err, size_t err_len) {
+    struct dflash_drafter * d = st->d;
     if (!(temperature > 0.0f)) {
         dflash_seterr(err, err_len, "sampled drafting needs a temperature > 0 (got %g)", (double) temperature);
         return -1;
@@ -210,4 +216,12 @@ int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t 
     if (dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return req.n_out;
+}
+
+int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t n, float temperature,
+                                    struct dflash_rng * rng, struct dflash_token_filter * filter,
+                                    int32_t * out_tokens, int32_t * out_cand, float * out_q, int32_t * out_k,
+                                    char * err, size_t err_len) {
+    return dflash_state_draft_sample(d->def, anchor, n, temperature, rng, filter, out_tokens, out_cand, out_q, out_k,
+                                     err, err_len);
 }

@@ -105,6 +105,8 @@ int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float
 
 // ---- the single-sequence API: the drafter's own state ----------------------------
 
+dflash_state * dflash_drafter_default_state(dflash_drafter * d) { return d->def; }
+
 void dflash_drafter_reset(dflash_drafter * d) { dflash_state_reset(d->def); }
 
 int32_t dflash_drafter_truncate(dflash_drafter * d, int32_t n) { return dflash_state_truncate(d->def, n); }

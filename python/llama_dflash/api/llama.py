@@ -23,6 +23,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ..core import exact as exact_mode
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
+from ..core.group import EngineGroup
 from ..core.sampling import SamplingParams
 from ..core.stats import Acceptance, SpecStats
 from ..errors import DFlashError, check_file
@@ -58,8 +59,9 @@ _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
 _CLOSED = "this Llama is closed (close() was called): create a new one"
+_BUDGET_SLACK = 8  # tokens a slot may run past a completion's max_tokens (a UTF-8 character's end)
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
-            "grammar_aware_drafting", "exact"}
+            "grammar_aware_drafting", "exact", "parallel"}
 
 
 @dataclass
@@ -131,6 +133,10 @@ class Llama(llama_cpp.Llama):
     grammar allows none of them.
     speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
     optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
+    parallel: requests served together (default 1: one at a time).  With more, ``view()`` hands
+    out views of this model whose generations share one decode per step (each sequence's drafts
+    verified in a joint batch, docs/architecture.md §5.10) -- a second context with ``parallel``
+    sequences of n_ctx positions each; the server serves concurrent requests that way.
 
     Completions run through a loop that adds O(1) work per token (llama-cpp-python's re-reads
     the whole text), and ``logprobs`` work without ``logits_all`` (no n_ctx x n_vocab buffer).
@@ -142,7 +148,8 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
                  draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "auto",
-                 speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, **kwargs) -> None:
+                 speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, parallel: int = 1,
+                 **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -174,6 +181,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"draft_n_max must be an integer >= 0 (or None), got {draft_n_max!r}")
         if speculation not in ("on", "off", "auto"):
             raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 64:
+            raise ValueError(f"parallel must be an integer in 1..64, got {parallel!r}")
         flash_attn = exact_mode.flash_attn_for(exact, kwargs.get("flash_attn"))
         if exact:
             kwargs["flash_attn"] = flash_attn
@@ -187,8 +196,11 @@ class Llama(llama_cpp.Llama):
         self._unavailable: str | None = None
         self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
         self._eval_end = 0          # n_tokens as the last eval() left it
-        if draft_model_path is not None:
-            check_file(draft_model_path, "drafter")
+        self.parallel = parallel
+        self._group: EngineGroup | None = None
+        if draft_model_path is not None or parallel > 1:  # (concurrent requests run in the engine, drafter or not)
+            if draft_model_path is not None:
+                check_file(draft_model_path, "drafter")
             # built as soon as the base class has loaded the model, before it creates the context:
             # cb_eval capture (qwen2, gemma3, ...) must be in the context params (see _model below)
             self._pending_core = {"drafter_path": draft_model_path, "n_batch": kwargs.get("n_batch", 512),
@@ -207,8 +219,26 @@ class Llama(llama_cpp.Llama):
             return
         self._core.attach(self._ctx.ctx)
         self._unavailable = self._core.unavailable
-        limit = self._core.max_draft_len  # the drafter's block - 1 (exact mode: the invariant batches)
-        self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))
+        limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
+        self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))  # mode: invariant)
+        if parallel > 1 and self._unavailable is None:
+            self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
+                                      hold=self._serial.hold, on_done=self._record_stats)
+
+    def view(self) -> Llama:
+        """This model for one of ``parallel`` concurrent requests (one view per request, any
+        thread).  Its completions and chats run in a slot of the model's group, stepped together
+        with the other views' (their output is what each gives alone); it has its own seed,
+        ``stop_requested`` and ``last_speculative_stats``.  What a slot cannot serve (logprobs,
+        stopping criteria, logits processors, suffix / echo completions, eval, embeddings) runs on
+        the model itself, one request at a time.  A view needs no closing: close the model."""
+        if self.__dict__.get("_origin") is not None:
+            return self._origin.view()
+        self._model  # noqa: B018 (raises once closed)
+        v = object.__new__(type(self))
+        v.__dict__.update(self.__dict__)
+        v.__dict__.update(_origin=self, cache=None, stop_requested=threading.Event(), last_speculative_stats=None)
+        return v
 
     def __getstate__(self) -> dict:
         """The base class's init arguments plus the drafter's: unpickling loads both again."""
@@ -216,7 +246,7 @@ class Llama(llama_cpp.Llama):
         state.update(draft_model_path=self.draft_model_path, draft_n_max=getattr(self, "draft_n_max", None),
                      draft_n_min=self.draft_n_min, draft_p_min=self.draft_p_min, verify=self.verify,
                      speculation=self.speculation, grammar_aware_drafting=self.grammar_aware_drafting,
-                     exact=self.exact)
+                     exact=self.exact, parallel=self.parallel)
         return state
 
     # Exact mode: the base class fills ``self.model_params`` before it loads the model; the
@@ -272,6 +302,10 @@ class Llama(llama_cpp.Llama):
         kwargs.update(zip(_COMPLETION_ARGS, args, strict=False))
         if (self._core is None or suffix is not None or self._logits_all
                 or (kwargs.get("echo") and kwargs.get("logprobs") is not None)):
+            origin = self.__dict__.get("_origin")
+            if origin is not None:  # the base class's loop reads the model's own buffers: on the model
+                kwargs.setdefault("seed", self._seed)
+                return origin._create_completion(prompt, suffix, max_tokens, **kwargs)
             # the base class's own loop (it still draws its tokens from generate below)
             self._base_budget = -1 if max_tokens is None else max_tokens
             return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
@@ -322,9 +356,67 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.generate)
     def generate(self, tokens: Sequence[int], *args, **kwargs) -> Iterator[int]:
-        # one request at a time: another thread's waits here until this generator finishes or closes
-        with self._serial.hold():
-            yield from self._generate(tokens, *args, **kwargs)
+        origin = self.__dict__.get("_origin")
+        if origin is None:
+            # one request at a time: another thread's waits here until this generator finishes or closes
+            with self._serial.hold():
+                yield from self._generate(tokens, *args, **kwargs)
+            return
+        a = _GENERATE.bind(origin, tokens, *args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        if (origin._group is not None and origin._fallback_reason(a["temp"], a["mirostat_mode"]) is None
+                and not origin._outside_eval and not a["logits_processor"] and a["stopping_criteria"] is None
+                and a["logprob_rows"] is None and origin.draft_source is None and origin.on_step is None):
+            yield from self._grouped(origin, origin._group, a)
+            return
+        with origin._serial.hold():  # on the model itself, with this view's seed and stop event
+            saved = origin._seed, origin.stop_requested
+            origin._seed, origin.stop_requested = self._seed, self.stop_requested
+            try:
+                yield from origin._generate(tokens, *args, **kwargs)
+            finally:
+                origin._seed, origin.stop_requested = saved
+                self.last_speculative_stats = origin.last_speculative_stats
+
+    def _grouped(self, origin: Llama, group: EngineGroup, a: dict) -> Iterator[int]:
+        """A view's generation in a slot of the group."""
+        toks = [int(t) for t in a["tokens"]]
+        max_tokens = origin._usable_ctx() - len(toks)
+        if max_tokens < 1:
+            raise ValueError(f"Requested tokens ({len(toks)}) exceed context window of {origin._usable_ctx()}")
+        budget = a["draft_budget"] if a["draft_budget"] and a["draft_budget"] > 0 else 0
+        if budget:  # the scheduler runs ahead of the reader: stop near the completion's own limit
+            max_tokens = min(max_tokens, budget + _BUDGET_SLACK)
+        sp = origin._sampling(a, self._seed)
+        req = EngineRequest(max_tokens=max_tokens, draft_len=origin.draft_n_max, n_min=origin.draft_n_min,
+                            p_min=origin.draft_p_min, draft_budget=budget, reuse_prefix=True,
+                            adaptive=origin.speculation == "auto", sampling=sp)
+        seq = group.submit(toks, req, history=toks)
+        handed = 0
+        try:
+            for step in seq:
+                if self.stop_requested.is_set() and handed:
+                    return
+                handed += len(step)
+                yield from step
+        finally:
+            seq.close()
+            self.last_speculative_stats = seq.stats
+
+    def _usable_ctx(self) -> int:
+        """Positions a generation may use: llama.cpp's context, the drafter's, and the base class's
+        token buffers (sized by the n_ctx asked for, which llama.cpp may have raised to its floor)."""
+        return min(self.n_ctx(), self._core.n_ctx, len(self.input_ids))
+
+    def _sampling(self, a: dict, seed: int) -> SamplingParams:
+        """The sampling of a generate call (its bound arguments ``a``)."""
+        return SamplingParams(temperature=a["temp"], top_k=a["top_k"], top_p=a["top_p"], min_p=a["min_p"],
+                              typical_p=a["typical_p"], repeat_penalty=a["repeat_penalty"],
+                              frequency_penalty=a["frequency_penalty"], presence_penalty=a["presence_penalty"],
+                              penalty_last_n=self.last_n_tokens_size, grammar=a["grammar"],
+                              logits_processor=a["logits_processor"], seed=seed, mode=self.verify,
+                              grammar_aware_drafting=self.grammar_aware_drafting)
 
     def _generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
@@ -364,17 +456,14 @@ class Llama(llama_cpp.Llama):
         toks = [int(t) for t in tokens]
         # Like the base generator, run until the caller stops (create_completion may read a few
         # tokens past max_tokens to complete a UTF-8 character); drafts stop at its max_tokens.
-        # usable positions: llama.cpp's context, the drafter's, and the base class's token buffers (sized
-        # by the n_ctx asked for, which llama.cpp may have raised to its floor)
-        n_ctx = min(self.n_ctx(), self._core.n_ctx, len(self.input_ids))
+        n_ctx = self._usable_ctx()
         max_tokens = n_ctx - len(toks)
         if max_tokens < 1:  # (as create_completion says it)
             raise ValueError(f"Requested tokens ({len(toks)}) exceed context window of {n_ctx}")
-        sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-                            repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
-                            grammar=grammar, logits_processor=logits_processor, seed=self._seed, mode=self.verify,
-                            grammar_aware_drafting=self.grammar_aware_drafting)
+        sp = self._sampling(dict(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                 repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                 presence_penalty=presence_penalty, grammar=grammar,
+                                 logits_processor=logits_processor), self._seed)
         yield from self._speculate(toks, max_tokens, sp, budget if budget and budget > 0 else 0, stopping_criteria,
                                    logprob_rows)
 
@@ -391,12 +480,16 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.embed)
     def embed(self, *args, **kwargs):
+        if (origin := self.__dict__.get("_origin")) is not None:
+            return origin.embed(*args, **kwargs)
         with self._serial.hold():
             self._forget()  # embedding clears the KV cache
             return super().embed(*args, **kwargs)
 
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
+        if (origin := self.__dict__.get("_origin")) is not None:
+            return origin.eval(tokens)
         with self._serial.hold():
             if getattr(self, "_core", None) is not None:
                 self._outside_eval = True  # the next generation must use what this put in the context
@@ -461,6 +554,12 @@ class Llama(llama_cpp.Llama):
         tot.grammar_skipped += s.grammar_skipped
 
     def close(self) -> None:
+        if self.__dict__.get("_origin") is not None:
+            return  # a view: the model owns everything
+        group = self.__dict__.get("_group")
+        if group is not None:  # (its scheduler takes the lock below: closed first)
+            group.close()
+            self._group = None
         with self.__dict__["_serial"].hold() if "_serial" in self.__dict__ else contextlib.nullcontext():
             self._close()
 
@@ -498,3 +597,6 @@ class Llama(llama_cpp.Llama):
     @_ctx.setter
     def _ctx(self, ctx) -> None:
         self.__dict__["_dflash_ctx"] = ctx
+
+
+_GENERATE = inspect.signature(Llama._generate)

@@ -70,8 +70,10 @@ class EngineRequest:
 class Run:
     """One generation in progress: its steps, the logits behind its tokens, its stats."""
 
-    def __init__(self, core: EngineCore, tokens: list[int], req: EngineRequest, params, kind: str) -> None:
+    def __init__(self, core: EngineCore, tokens: list[int], req: EngineRequest, params, kind: str,
+                 engine=None) -> None:
         self.core, self.tokens, self.req, self.params, self.kind = core, tokens, req, params, kind
+        self.engine = engine if engine is not None else core._engine  # the C engine that runs it
         self.errors: list[BaseException] = []  # raised by Python callbacks inside the C loop
         self.prompt_c = ffi.new("int32_t[]", tokens) if tokens else ffi.new("int32_t[]", 1)
 
@@ -84,7 +86,7 @@ class Run:
 
     def steps(self) -> Iterator[list[int]]:
         """The prefill's token, then each verify step's tokens, as they are committed."""
-        e = self.core._engine
+        e = self.engine
         err = _native.err_buf()
         first = lib.dflash_engine_start(e, self.prompt_c, len(self.tokens), self.params, ffi.NULL, err,
                                         _native.ERR_LEN)
@@ -102,7 +104,7 @@ class Run:
         margins = ffi.new("float[]", n_max) if return_margins else ffi.NULL
         st = ffi.new("struct dflash_stats *")
         err = _native.err_buf()
-        n = lib.dflash_engine_generate(self.core._engine, self.prompt_c, len(self.tokens), self.params, out, margins,
+        n = lib.dflash_engine_generate(self.engine, self.prompt_c, len(self.tokens), self.params, out, margins,
                                        st, err, _native.ERR_LEN)
         self.check(n, err)
         return list(out[0:n]), (list(margins[0:n]) if return_margins else None), self._stats(st)
@@ -110,17 +112,17 @@ class Run:
     def logits(self, k: int) -> np.ndarray:
         """The target's raw logits row behind the k-th token of the last step (a view, valid
         until the next step)."""
-        p = ctypes.cast(int(ffi.cast("uintptr_t", lib.dflash_engine_last_logits(self.core._engine, k))),
+        p = ctypes.cast(int(ffi.cast("uintptr_t", lib.dflash_engine_last_logits(self.engine, k))),
                         ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(p, (self.core.n_vocab,))
 
     def set_draft_len(self, n: int) -> None:
         """Draft length of the following steps (0: plain steps)."""
-        lib.dflash_engine_set_draft_len(self.core._engine, n)
+        lib.dflash_engine_set_draft_len(self.engine, n)
 
     def stats(self) -> SpecStats:
         st = ffi.new("struct dflash_stats *")
-        lib.dflash_engine_get_stats(self.core._engine, st)
+        lib.dflash_engine_get_stats(self.engine, st)
         return self._stats(st)
 
     def _stats(self, st) -> SpecStats:
@@ -246,11 +248,13 @@ class EngineCore(_native.Resource):
 
     @contextlib.contextmanager
     def run(self, tokens: Sequence[int], req: EngineRequest, *, draft_source: DraftSource | None = None,
-            on_step: StepCallback | None = None, history: Sequence[int] = ()) -> Iterator[Run]:
+            on_step: StepCallback | None = None, history: Sequence[int] = (), engine=None) -> Iterator[Run]:
         """Set up one generation (sampler chain, callbacks, the C params); tear it down after.
-        ``history``: what logits processors see before the first generated token."""
+        ``history``: what logits processors see before the first generated token; ``engine``: a
+        sequence engine of an ``EngineGroup`` to run it on (default: this core's own)."""
         if self._engine is None:
             raise DFlashError("the engine is closed")
+        engine = self._engine if engine is None else engine
         req.check()
         if self.exact is not None and req.draft_len > self.max_draft_len:
             req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
@@ -268,7 +272,7 @@ class EngineCore(_native.Resource):
             **grammar_params(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         kind = "external" if draft_source else ("dflash" if self._drafter and req.draft_len > 0 else "none")
-        r = Run(self, toks, req, params, kind)
+        r = Run(self, toks, req, params, kind, engine)
         draft_cb = step_cb = ffi.NULL
         if draft_source is not None:
             def _draft(_ud, hist, n_hist, n, out):
@@ -291,13 +295,13 @@ class EngineCore(_native.Resource):
                 except BaseException as ex:
                     r.errors.append(ex)
             step_cb = ffi.callback("dflash_step_fn", _step)
-        lib.dflash_engine_set_draft_fn(self._engine, draft_cb, ffi.NULL)
-        lib.dflash_engine_set_step_fn(self._engine, step_cb, ffi.NULL)
+        lib.dflash_engine_set_draft_fn(engine, draft_cb, ffi.NULL)
+        lib.dflash_engine_set_step_fn(engine, step_cb, ffi.NULL)
         try:
             yield r
         finally:
-            lib.dflash_engine_set_draft_fn(self._engine, ffi.NULL, ffi.NULL)
-            lib.dflash_engine_set_step_fn(self._engine, ffi.NULL, ffi.NULL)
+            lib.dflash_engine_set_draft_fn(engine, ffi.NULL, ffi.NULL)
+            lib.dflash_engine_set_step_fn(engine, ffi.NULL, ffi.NULL)
             if chain is not None:
                 chain.close()
 

@@ -1,0 +1,273 @@
+"""Several generations on one target, stepped together (docs/architecture.md §5.10).
+
+On a compute-bound CPU one ``llama_decode`` of R rows costs far less than R decodes of one row
+(measured here: 4 sequences' rows in one batch take 0.5-0.7x the time of their separate decodes),
+so a server with several requests in flight serves them faster together than in turn.  An
+``EngineGroup`` owns a second context on the core's model with one sequence per slot (a unified
+KV cache keeps a joint batch in one ubatch), a sequence engine per slot (its own drafter state:
+the drafter's weights are shared) and a scheduler thread.  Each scheduler round admits waiting
+generations into free slots (their prefill), then runs ``dflash_engine_step_group``: every active
+sequence drafts, and one decode verifies all their rows.  Adaptive sequences price their rows at
+what they add to the joint batch, so under load drafting only goes on where it still pays.
+
+Output: a sequence's tokens are what the same request gives alone in greedy mode, and the same
+seed gives the same text at T > 0 (its sampler chain and draws are its own); in exact mode the
+joint batch is checked bit for bit against one-sequence decoding (tests/test_group.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import llama_cpp
+
+from .. import _native
+from .._native import ffi, lib
+from ..errors import DFlashError
+from .engine import EngineCore, EngineRequest, Run
+from .stats import SpecStats
+
+Hold = Callable[[], contextlib.AbstractContextManager]
+"""Exclusive use of the model's native state (its drafter is shared with the core's own engine)."""
+
+
+class GroupSequence:
+    """One generation in an ``EngineGroup``: iterate it for its tokens (a list per step, the
+    prefill's token first) as the scheduler commits them; ``close()`` ends it early."""
+
+    def __init__(self, tokens: list[int], req: EngineRequest, history: Sequence[int]) -> None:
+        self.tokens, self.req, self.history = tokens, req, list(history)
+        self.stats: SpecStats | None = None   # once it has ended
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        # the scheduler's side
+        self.slot = -1
+        self.run: Run | None = None
+        self.exit = contextlib.ExitStack()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            item = self._out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop after the current step (the slot is freed; what was not read is dropped)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class EngineGroup(_native.Resource):
+    """n_seq generations at a time on ``core``'s model, each of up to ``n_ctx`` positions.
+
+    cparams: the ``llama_context_params`` (ctypes) the core's own context was created with --
+    copied, with n_seq sequences over a unified KV cache.  hold: exclusive use of the model's
+    native state around each scheduler round (the core's own generations take it too).
+    on_done: called with each finished generation's stats (in the scheduler thread, under hold).
+    """
+
+    def __init__(self, core: EngineCore, cparams, n_seq: int, n_ctx: int, *,
+                 hold: Hold = contextlib.nullcontext, on_done: Callable[[SpecStats], None] | None = None) -> None:
+        if not 2 <= n_seq <= 64:
+            raise ValueError(f"a group takes 2..64 sequences, got {n_seq}")
+        self._ctx = self._capture = None
+        self._engines: list = []
+        self._thread: threading.Thread | None = None
+        self.core, self.n_seq, self._hold, self._on_done = core, n_seq, hold, on_done
+        cp = type(cparams).from_buffer_copy(cparams)
+        cp.n_ctx = n_seq * n_ctx
+        cp.n_seq_max = n_seq
+        # One KV cache for all sequences keeps a joint batch in one ubatch (split per sequence, drafts of
+        # unequal lengths cost more), but a rolled-back draft's cells are reused by whichever sequence
+        # comes next, so a sequence's cells leave position order and attention sums them in another
+        # order: exact mode gives every sequence its own stream, in order as in a context of its own.
+        cp.kv_unified = core.exact is None
+        cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
+        cp.cb_eval_user_data = None
+        taps = list(core.drafter_info.target_layers) if core.has_drafter else []
+        err = _native.err_buf()
+        if taps:
+            c = lib.dflash_capture_new(core._model_c, ffi.new("int32_t[]", taps), len(taps), int(cp.n_batch),
+                                       {"layer_inp": 1, "cb_eval": 2}[core.capture_mode], err, _native.ERR_LEN)
+            if c == ffi.NULL:
+                raise DFlashError(_native.err_str(err))
+            self._capture = c
+            lib.dflash_capture_install(c, _native.ptr("void *", cp))
+        self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
+        if not self._ctx:
+            self.close()
+            raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
+        ctx_c = _native.ptr("struct llama_context *", self._ctx)
+        if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
+            self.close()
+            raise DFlashError(_native.err_str(err))
+        drafter = core.drafter.handle if core.has_drafter else ffi.NULL
+        for s in range(n_seq):
+            e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture or ffi.NULL, s, err, _native.ERR_LEN)
+            if e == ffi.NULL:
+                self.close()
+                raise DFlashError(_native.err_str(err))
+            self._engines.append(e)
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq)
+        self._costs_copied = False
+        self._free = list(range(n_seq))
+        self._active: dict[int, GroupSequence] = {}
+        self._waiting: collections.deque[GroupSequence] = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="llama-dflash-group", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side ---------------------------------------------------------------------
+
+    def submit(self, tokens: Sequence[int], req: EngineRequest, history: Sequence[int] = ()) -> GroupSequence:
+        """Queue one generation; it starts when a slot is free (first come, first served)."""
+        req.check()
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("the prompt is empty")
+        if len(toks) + req.max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(toks)} tokens) + max_tokens ({req.max_tokens}) exceed the "
+                             f"{self.n_ctx} positions of a concurrent slot")
+        if any(t < 0 or t >= self.core.n_vocab for t in toks):
+            raise ValueError(f"a prompt token is outside the vocabulary (0..{self.core.n_vocab - 1})")
+        seq = GroupSequence(toks, req, history)
+        with self._cv:
+            if self._closing:
+                raise DFlashError("the group is closed")
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(generations running, generations waiting for a slot)."""
+        with self._cv:
+            return len(self._active), len(self._waiting)
+
+    # -- the scheduler -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        n_rows = int(lib.DFLASH_MAX_ROWS)
+        out = ffi.new("int32_t[]", self.n_seq * n_rows)
+        counts = ffi.new("int32_t[]", self.n_seq)
+        err = _native.err_buf()
+        while True:
+            with self._cv:
+                while not self._closing and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closing:
+                    break
+                admit = []
+                while self._waiting and self._free:
+                    seq = self._waiting.popleft()
+                    seq.slot = self._free.pop(0)
+                    admit.append(seq)
+                    self._active[seq.slot] = seq
+                active = list(self._active.values())
+            with self._hold():
+                for seq in admit:
+                    self._start(seq, err)
+                for seq in active:
+                    if seq.cancelled and seq.slot in self._active:
+                        self._finish(seq)
+                live = [s for s in active if s.slot in self._active and s.run is not None]
+                if not live:
+                    continue
+                engines = ffi.new("dflash_engine *[]", [self._engines[s.slot] for s in live])
+                if lib.dflash_engine_step_group(engines, len(live), out, counts, err, _native.ERR_LEN) != 0:
+                    msg = DFlashError(_native.err_str(err))
+                    for s in live:
+                        self._finish(s, msg)
+                    continue
+                for i, s in enumerate(live):
+                    n = counts[i]
+                    if n > 0:
+                        s._out.put(list(out[i * n_rows:i * n_rows + n]))
+                    else:
+                        self._finish(s, None if n == 0 else self._error(s, err))
+        with self._hold():
+            for s in list(self._active.values()):
+                self._finish(s, DFlashError("the group was closed"))
+            for s in self._waiting:
+                s._out.put(DFlashError("the group was closed"))
+
+    def _start(self, seq: GroupSequence, err) -> None:
+        core, e = self.core, self._engines[seq.slot]
+        try:
+            if seq.req.adaptive and seq.req.draft_len > 0 and not self._costs_copied:
+                core._ensure_costs()  # the core's cost model (cached per machine), the group's prior
+                self._copy_costs()
+            seq.run = seq.exit.enter_context(core.run(seq.tokens, seq.req, history=seq.history, engine=e))
+            first = lib.dflash_engine_start(e, seq.run.prompt_c, len(seq.tokens), seq.run.params, ffi.NULL, err,
+                                            _native.ERR_LEN)
+            seq.run.check(first, err)
+        except BaseException as ex:  # noqa: BLE001 - handed to the caller
+            seq.run = None
+            self._finish(seq, ex)
+            return
+        seq._out.put([first])
+
+    def _copy_costs(self) -> None:
+        self._costs_copied = True
+        costs = ffi.new("struct dflash_costs *")
+        cal = ffi.new("struct dflash_calibration *")
+        if not lib.dflash_engine_get_costs(self.core._engine, costs):
+            return
+        lib.dflash_engine_get_calibration(self.core._engine, cal)
+        for e in self._engines:
+            lib.dflash_engine_set_costs(e, costs)
+            lib.dflash_engine_set_calibration(e, cal)
+
+    def _error(self, seq: GroupSequence, err) -> BaseException:
+        if seq.run is not None and seq.run.errors:
+            return seq.run.errors[0]
+        return DFlashError(_native.err_str(err))
+
+    def _finish(self, seq: GroupSequence, error: BaseException | None = None) -> None:
+        """End a generation: its stats, its sampler chain, its slot (the KV it leaves there is
+        reused by the next generation in the slot that shares its prefix)."""
+        if seq.run is not None:
+            with contextlib.suppress(Exception):
+                seq.stats = seq.run.stats()
+                if self._on_done is not None:
+                    self._on_done(seq.stats)
+        with contextlib.suppress(Exception):
+            seq.exit.close()
+        if seq.cancelled:  # stopped inside a step: the slot's KV holds tokens the caller never saw
+            lib.dflash_engine_forget(self._engines[seq.slot])
+        seq.run = None
+        with self._cv:
+            if self._active.get(seq.slot) is seq:
+                del self._active[seq.slot]
+                self._free.append(seq.slot)
+        seq._out.put(error if error is not None else None)
+
+    def close(self) -> None:
+        t = getattr(self, "_thread", None)
+        if t is not None:
+            with self._cv:
+                self._closing = True
+                self._cv.notify()
+            if t is not threading.current_thread():
+                t.join()
+            self._thread = None
+        for e in getattr(self, "_engines", []):
+            lib.dflash_engine_free(e)
+        self._engines = []
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+        self._ctx = None
+        if getattr(self, "_capture", None):
+            lib.dflash_capture_free(self._capture)
+        self._capture = None
