@@ -366,12 +366,14 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
 void    dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out);
 /* One step of each of n engines (dflash_engine_new_seq, one context, distinct sequences, each
  * started) with a single llama_decode of all their verify rows: several requests' steps cost
- * little more than one on a compute-bound machine.  out_tokens: n x DFLASH_MAX_ROWS; out_counts[i]:
- * what dflash_engine_step would return for engine i (tokens committed, 0 once it has finished,
- * -1: its own error, in err; the others still step).  An adaptive engine prices its rows at
- * their marginal cost in the joint batch.  Returns 0, or -1 when the joint decode failed. */
-int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t * out_tokens, int32_t * out_counts,
-                                 char * err, size_t err_len);
+ * little more than one on a compute-bound machine.  max_rows: rows of the joint decode at most
+ * (0: n_batch; exact mode: the largest batch its self-check proved invariant), each engine
+ * drafting within an equal share.  out_tokens: n x DFLASH_MAX_ROWS; out_counts[i]: what
+ * dflash_engine_step would return for engine i (tokens committed, 0 once it has finished, -1:
+ * its own error, in err; the others still step).  An adaptive engine prices its rows at their
+ * marginal cost in the joint batch.  Returns 0, or -1 when the joint decode failed. */
+int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t max_rows, int32_t * out_tokens,
+                                 int32_t * out_counts, char * err, size_t err_len);
 /* Logits (n_vocab floats, the target's raw row) that produced the k-th token returned
  * by the last start (k = 0) or step; valid until the next start / step. */
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);

@@ -682,8 +682,8 @@ int32_t dflash_engine_step(dflash_engine * e, int32_t * out_tokens, float * out_
     return step_finish(e, feats, dflash_now() - t0, pl->n_drafted + 1, out_tokens, out_margins, err, err_len);
 }
 
-int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t * out_tokens, int32_t * out_counts,
-                                 char * err, size_t err_len) {
+int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t max_rows, int32_t * out_tokens,
+                                 int32_t * out_counts, char * err, size_t err_len) {
     if (n < 1) return 0;
     if (n > DFLASH_MAX_SEQ_GROUP) {
         dflash_seterr(err, err_len, "a group steps at most %d engines (got %d)", DFLASH_MAX_SEQ_GROUP, n);
@@ -708,7 +708,12 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t * 
     // the batch
     int32_t live = 0;
     for (int32_t i = 0; i < n; i++) live += engines[i]->active;
-    const int32_t share = live > 0 ? e0->n_batch / live : e0->n_batch;
+    if (max_rows <= 0 || max_rows > e0->n_batch) max_rows = e0->n_batch;
+    if (live > max_rows) {
+        dflash_seterr(err, err_len, "%d sequences do not fit a joint batch of %d rows", live, max_rows);
+        return -1;
+    }
+    const int32_t share = live > 0 ? max_rows / live : max_rows;
     bool go[DFLASH_MAX_SEQ_GROUP];
     int32_t rows = 0;
     for (int32_t i = 0; i < n; i++) {

@@ -207,7 +207,7 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     finally:
         llm._dflash_rows = None
 
-    if stopping_criteria is not None and stopping_criteria(llm._input_ids, llm._scores[-1, :]):
+    if stopping_criteria is not None and stopping_criteria(*llm._stop_state()):
         text = bytes(raw[skip:])
         finish_reason = "stop"
     if llm.verbose:

@@ -225,6 +225,13 @@ class Llama(llama_cpp.Llama):
             self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
                                       hold=self._serial.hold, on_done=self._record_stats)
 
+    @property
+    def joint_stats(self) -> dict[str, int]:
+        """Concurrent requests (``parallel`` > 1): the decodes that verified several at once
+        (joint_steps) and the sequences they verified (joint_sequences)."""
+        g = (self.__dict__.get("_origin") or self).__dict__.get("_group")
+        return {"joint_steps": g.joint_steps if g else 0, "joint_sequences": g.joint_sequences if g else 0}
+
     def view(self) -> Llama:
         """This model for one of ``parallel`` concurrent requests (one view per request, any
         thread).  Its completions and chats run in a slot of the model's group, stepped together
@@ -366,8 +373,7 @@ class Llama(llama_cpp.Llama):
         a.apply_defaults()
         a = a.arguments
         if (origin._group is not None and origin._fallback_reason(a["temp"], a["mirostat_mode"]) is None
-                and not origin._outside_eval and not a["logits_processor"] and a["stopping_criteria"] is None
-                and a["logprob_rows"] is None and origin.draft_source is None and origin.on_step is None):
+                and not origin._outside_eval and origin.draft_source is None and origin.on_step is None):
             yield from self._grouped(origin, origin._group, a)
             return
         with origin._serial.hold():  # on the model itself, with this view's seed and stop event
@@ -378,6 +384,7 @@ class Llama(llama_cpp.Llama):
             finally:
                 origin._seed, origin.stop_requested = saved
                 self.last_speculative_stats = origin.last_speculative_stats
+                self._dflash_stop_state = tuple(np.copy(x) for x in origin._stop_state())
 
     def _grouped(self, origin: Llama, group: EngineGroup, a: dict) -> Iterator[int]:
         """A view's generation in a slot of the group."""
@@ -392,17 +399,37 @@ class Llama(llama_cpp.Llama):
         req = EngineRequest(max_tokens=max_tokens, draft_len=origin.draft_n_max, n_min=origin.draft_n_min,
                             p_min=origin.draft_p_min, draft_budget=budget, reuse_prefix=True,
                             adaptive=origin.speculation == "auto", sampling=sp)
-        seq = group.submit(toks, req, history=toks)
-        handed = 0
+        criteria, rows = a["stopping_criteria"], a["logprob_rows"]
+        seq = group.submit(toks, req, history=toks, rows=criteria is not None or rows is not None)
+        ids = np.empty(len(toks) + max_tokens, dtype=np.intc)  # what the stopping criteria see
+        ids[:len(toks)] = toks
+        n_ids = len(toks)
+        row = None
         try:
             for step in seq:
-                if self.stop_requested.is_set() and handed:
+                if self.stop_requested.is_set() and n_ids > len(toks):
                     return
-                handed += len(step)
-                yield from step
+                step, step_rows = step if seq.rows else (step, None)
+                for k, t in enumerate(step):
+                    if step_rows is not None:  # as in _speculate: the tokens before this one, its row
+                        row = step_rows[k]
+                        if rows is not None:
+                            rows[0].append(completion.TokenLogprobs(row, t, rows[1]))
+                        if criteria is not None and criteria(ids[:n_ids], row):
+                            return
+                    ids[n_ids] = t
+                    n_ids += 1
+                    yield t
         finally:
             seq.close()
             self.last_speculative_stats = seq.stats
+            self._dflash_stop_state = (ids[:n_ids], row if row is not None else np.zeros(origin._n_vocab, np.float32))
+
+    def _stop_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, last logits row) as the last generation left them: what a completion's final
+        stopping-criteria check reads (a view's own, not the model's buffers)."""
+        st = self.__dict__.get("_dflash_stop_state")
+        return st if st is not None else (self._input_ids, self._scores[-1, :])
 
     def _usable_ctx(self) -> int:
         """Positions a generation may use: llama.cpp's context, the drafter's, and the base class's

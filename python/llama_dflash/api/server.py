@@ -7,9 +7,10 @@
 types and model switching are llama-cpp-python's (``llama_cpp.server``); the routes are ours so
 that no request is lost or cut and none reaches the model unchecked:
 
-* one worker thread owns the model; requests wait in a FIFO queue (``max_queue``, then HTTP
-  503) and are never interrupted by later ones (llama-cpp-python's ``interrupt_requests``
-  default cuts a running stream when another request arrives);
+* requests wait in a FIFO queue (``max_queue``, then HTTP 503) and are never interrupted by
+  later ones (llama-cpp-python's ``interrupt_requests`` default cuts a running stream when
+  another request arrives); up to ``parallel`` of them run at once, their steps sharing one
+  decode (``Llama.view()``, docs/architecture.md §5.10);
 * every body is parsed and checked before it is queued (JSON, types, ranges, ``n``, schemas,
   grammars, logit-bias ids, context length): a 4xx with an OpenAI-style error body, never a
   500 with internals;
@@ -78,6 +79,8 @@ class DFlashModelSettings(ModelSettings):
     speculation: Literal["on", "off", "auto"] = Field(
         default="auto", description="auto: draft when the cost model says it pays (per step); on: always; off")
     grammar_aware_drafting: bool = Field(default=True, description="drafts walk the request's grammar / JSON schema")
+    parallel: int = Field(default=4, ge=1, le=64, description="requests served together: their steps share one "
+                                                              "decode (more wait in the queue); 1: one at a time")
     exact: bool = Field(default=False, description="exact mode: batch-invariant target settings, self-checked "
                                                    "(speculative output bit-identical to plain decoding)")
 
@@ -112,7 +115,7 @@ def _make_llama(*args, **kwargs) -> Llama:
         kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_n_min=s.draft_n_min,
                       draft_p_min=s.draft_p_min,
                       verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting,
-                      exact=s.exact)
+                      exact=s.exact, parallel=s.parallel)
         if s.exact:
             kwargs["flash_attn"] = True  # part of exact mode's settings (the proxy passes its default, off)
     return Llama(*args, **kwargs)
@@ -356,12 +359,15 @@ class _Job:
 
 
 class Worker:
-    """The one thread that touches the model: runs jobs in arrival order."""
+    """Runs jobs in arrival order: on the current model up to its ``parallel`` at once, each in a
+    thread of its own on a view of the model (one at a time when ``parallel`` is 1).  A job for
+    another model waits until the running ones have finished; the model is then switched."""
 
     def __init__(self, proxy_factory: Callable[[], object], max_queue: int, timeout_s: float) -> None:
         self.max_queue, self.timeout_s = max_queue, timeout_s
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a job ends
         self.waiting = 0
         self.running = 0
         self.counts = {"completed": 0, "client_error": 0, "server_error": 0, "rejected_busy": 0, "cancelled": 0,
@@ -391,7 +397,16 @@ class Worker:
 
     def close(self) -> None:
         self._q.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=60)
+
+    def _switches(self, model: str | None) -> bool:
+        """Would ``model`` load another model than the current one?  (LlamaProxy's own rule.)"""
+        p = self.proxy
+        names = getattr(p, "_model_settings_dict", None)
+        if names is None:
+            return True
+        alias = model if model in names else p._default_model_alias
+        return alias != p._current_model_alias or p._current_model is None
 
     def _main(self) -> None:
         try:
@@ -404,22 +419,41 @@ class Worker:
         while (job := self._q.get()) is not None:
             with self._lock:
                 self.waiting -= 1
-                self.running = 1
+            if job.cancelled.is_set():
+                self.count("cancelled")
+                continue
+            with self._idle:  # another model: only once nothing runs on this one
+                while self.running and self._switches(job.model):
+                    self._idle.wait()
             try:
-                self._serve(job)
-            finally:
-                with self._lock:
-                    self.running = 0
+                llm = self.proxy(job.model)
+            except Exception as e:  # noqa: BLE001 - the job's error
+                self._fail(job, e)
+                continue
+            n = max(1, int(getattr(llm, "parallel", 1)))
+            with self._idle:
+                while self.running >= n:
+                    self._idle.wait()
+                self.running += 1
+            target = llm.view() if n > 1 else llm
+            threading.Thread(target=self._run, args=(job, target), name="llama-dflash-request", daemon=True).start()
+        with self._idle:
+            while self.running:
+                self._idle.wait()
         if self.proxy is not None:
             self.proxy.free()
 
-    def _serve(self, job: _Job) -> None:
-        if job.cancelled.is_set():
-            self.count("cancelled")
-            return
+    def _run(self, job: _Job, llm: Llama) -> None:
+        try:
+            self._serve(job, llm)
+        finally:
+            with self._idle:
+                self.running -= 1
+                self._idle.notify_all()
+
+    def _serve(self, job: _Job, llm: Llama) -> None:
         timer = None
         try:
-            llm = self.proxy(job.model)
             llm.stop_requested.clear()
             timer = threading.Timer(self.timeout_s, self._timeout, (job, llm.stop_requested))
             timer.daemon = True
@@ -441,22 +475,26 @@ class Worker:
             else:
                 job.emit("result", out)
             self.count("cancelled" if job.cancelled.is_set() else "completed")
-        except RequestError as e:
-            self.count("client_error")
-            job.emit("error", e)
-        except (ValueError, TypeError) as e:  # refused by llama-cpp-python / the core (bad request values)
-            self.count("client_error")
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            code = "context_length_exceeded" if "context window" in msg else None
-            job.emit("error", RequestError(msg, code=code))
-        except Exception as e:  # noqa: BLE001 - a bug: logged here, reported without internals
-            self.count("server_error")
-            traceback.print_exc(file=sys.stderr)
-            job.emit("error", RequestError(f"internal error ({type(e).__name__})", status=500, kind="server_error"))
+        except Exception as e:  # noqa: BLE001 - reported to the client
+            self._fail(job, e)
         finally:
             job.llm = None
             if timer is not None:
                 timer.cancel()
+
+    def _fail(self, job: _Job, e: Exception) -> None:
+        if isinstance(e, RequestError):
+            self.count("client_error")
+            job.emit("error", e)
+        elif isinstance(e, (ValueError, TypeError)):  # refused by llama-cpp-python / the core (bad request values)
+            self.count("client_error")
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            code = "context_length_exceeded" if "context window" in msg else None
+            job.emit("error", RequestError(msg, code=code))
+        else:  # a bug: logged here, reported without internals
+            self.count("server_error")
+            traceback.print_exception(e, file=sys.stderr)
+            job.emit("error", RequestError(f"internal error ({type(e).__name__})", status=500, kind="server_error"))
 
     def _timeout(self, job: _Job, stop: threading.Event) -> None:
         if job.llm is not None:
@@ -478,6 +516,7 @@ def metrics_text(worker: Worker | None = None) -> str:
                     tokens_proposed=d["drafted"], tokens_accepted=d["accepted"],
                     tokens_rejected=d["drafted"] - d["accepted"], acceptance_rate=round(d["acceptance_rate"], 6),
                     tau=round(d["tau"], 6), tokens_per_second=round(d["tokens_per_s"], 3), fallbacks=d["fallbacks"])
+    vals.update(getattr(m, "joint_stats", None) or {"joint_steps": 0, "joint_sequences": 0})
     kinds = {"acceptance_rate": "gauge", "tau": "gauge", "tokens_per_second": "gauge", "queue_waiting": "gauge",
              "requests_running": "gauge"}
     if worker is not None:

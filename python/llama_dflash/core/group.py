@@ -37,19 +37,22 @@ Hold = Callable[[], contextlib.AbstractContextManager]
 
 class GroupSequence:
     """One generation in an ``EngineGroup``: iterate it for its tokens (a list per step, the
-    prefill's token first) as the scheduler commits them; ``close()`` ends it early."""
+    prefill's token first) as the scheduler commits them -- with ``rows``, (tokens, the logits
+    row behind each) -- and ``close()`` it to end it early."""
 
-    def __init__(self, tokens: list[int], req: EngineRequest, history: Sequence[int]) -> None:
-        self.tokens, self.req, self.history = tokens, req, list(history)
+    def __init__(self, tokens: list[int], req: EngineRequest, history: Sequence[int], rows: bool) -> None:
+        self.tokens, self.req, self.history, self.rows = tokens, req, list(history), rows
         self.stats: SpecStats | None = None   # once it has ended
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
+        self.done = threading.Event()  # the scheduler has let it go (stats set, slot free)
+        self._withdraw: Callable[[GroupSequence], bool] | None = None
         # the scheduler's side
         self.slot = -1
         self.run: Run | None = None
         self.exit = contextlib.ExitStack()
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator:
         while True:
             item = self._out.get()
             if item is None:
@@ -58,9 +61,14 @@ class GroupSequence:
                 raise item
             yield item
 
-    def close(self) -> None:
-        """Stop after the current step (the slot is freed; what was not read is dropped)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop after the current step (the slot is freed; what was not read is dropped); wait:
+        until the scheduler has let it go (one round at most), so that ``stats`` are final."""
         self._cancelled.set()
+        if self._withdraw is not None and self._withdraw(self):  # it had not started: gone now
+            return
+        if wait:
+            self.done.wait()
 
     @property
     def cancelled(self) -> bool:
@@ -84,6 +92,11 @@ class EngineGroup(_native.Resource):
         self._engines: list = []
         self._thread: threading.Thread | None = None
         self.core, self.n_seq, self._hold, self._on_done = core, n_seq, hold, on_done
+        # exact mode: joint batches no larger than the self-check proved bit-identical to one-row decoding
+        self._max_rows = core.exact.max_rows if core.exact is not None else 0
+        if core.exact is not None and n_seq > self._max_rows:
+            raise ValueError(f"exact mode: {n_seq} concurrent sequences exceed the {self._max_rows} rows its "
+                             "self-check proved invariant (use parallel <= that)")
         cp = type(cparams).from_buffer_copy(cparams)
         cp.n_ctx = n_seq * n_ctx
         cp.n_seq_max = n_seq
@@ -125,13 +138,18 @@ class EngineGroup(_native.Resource):
         self._waiting: collections.deque[GroupSequence] = collections.deque()
         self._cv = threading.Condition()
         self._closing = False
+        self.joint_steps = 0      # scheduler rounds that verified at least one sequence
+        self.joint_sequences = 0  # sequences those rounds verified (/ joint_steps: sequences per decode)
         self._thread = threading.Thread(target=self._loop, name="llama-dflash-group", daemon=True)
         self._thread.start()
 
     # -- the callers' side ---------------------------------------------------------------------
 
-    def submit(self, tokens: Sequence[int], req: EngineRequest, history: Sequence[int] = ()) -> GroupSequence:
-        """Queue one generation; it starts when a slot is free (first come, first served)."""
+    def submit(self, tokens: Sequence[int], req: EngineRequest, history: Sequence[int] = (),
+               rows: bool = False) -> GroupSequence:
+        """Queue one generation; it starts when a slot is free (first come, first served).
+        history: what logits processors see before the first generated token; rows: hand out
+        each token's logits row too (copied: the scheduler moves on)."""
         req.check()
         toks = [int(t) for t in tokens]
         if not toks:
@@ -141,13 +159,23 @@ class EngineGroup(_native.Resource):
                              f"{self.n_ctx} positions of a concurrent slot")
         if any(t < 0 or t >= self.core.n_vocab for t in toks):
             raise ValueError(f"a prompt token is outside the vocabulary (0..{self.core.n_vocab - 1})")
-        seq = GroupSequence(toks, req, history)
+        seq = GroupSequence(toks, req, history, rows)
+        seq._withdraw = self._withdraw
         with self._cv:
             if self._closing:
                 raise DFlashError("the group is closed")
             self._waiting.append(seq)
             self._cv.notify()
         return seq
+
+    def _withdraw(self, seq: GroupSequence) -> bool:
+        with self._cv:
+            if seq not in self._waiting:
+                return False
+            self._waiting.remove(seq)
+        seq._out.put(None)
+        seq.done.set()
+        return True
 
     @property
     def load(self) -> tuple[int, int]:
@@ -185,15 +213,18 @@ class EngineGroup(_native.Resource):
                 if not live:
                     continue
                 engines = ffi.new("dflash_engine *[]", [self._engines[s.slot] for s in live])
-                if lib.dflash_engine_step_group(engines, len(live), out, counts, err, _native.ERR_LEN) != 0:
+                if lib.dflash_engine_step_group(engines, len(live), self._max_rows, out, counts, err,
+                                                _native.ERR_LEN) != 0:
                     msg = DFlashError(_native.err_str(err))
                     for s in live:
                         self._finish(s, msg)
                     continue
+                self.joint_steps += 1
+                self.joint_sequences += len(live)
                 for i, s in enumerate(live):
                     n = counts[i]
                     if n > 0:
-                        s._out.put(list(out[i * n_rows:i * n_rows + n]))
+                        self._put(s, list(out[i * n_rows:i * n_rows + n]))
                     else:
                         self._finish(s, None if n == 0 else self._error(s, err))
         with self._hold():
@@ -201,6 +232,7 @@ class EngineGroup(_native.Resource):
                 self._finish(s, DFlashError("the group was closed"))
             for s in self._waiting:
                 s._out.put(DFlashError("the group was closed"))
+                s.done.set()
 
     def _start(self, seq: GroupSequence, err) -> None:
         core, e = self.core, self._engines[seq.slot]
@@ -216,7 +248,13 @@ class EngineGroup(_native.Resource):
             seq.run = None
             self._finish(seq, ex)
             return
-        seq._out.put([first])
+        self._put(seq, [first])
+
+    def _put(self, seq: GroupSequence, tokens: list[int]) -> None:
+        if seq.rows:  # before the next decode overwrites them
+            seq._out.put((tokens, [seq.run.logits(k).copy() for k in range(len(tokens))]))
+        else:
+            seq._out.put(tokens)
 
     def _copy_costs(self) -> None:
         self._costs_copied = True
@@ -252,6 +290,7 @@ class EngineGroup(_native.Resource):
                 del self._active[seq.slot]
                 self._free.append(seq.slot)
         seq._out.put(error if error is not None else None)
+        seq.done.set()
 
     def close(self) -> None:
         t = getattr(self, "_thread", None)
