@@ -294,6 +294,11 @@ struct dflash_engine_params {
                               the step verifies the anchor alone (0 = keep every draft) */
     bool     adaptive;     /* choose each step's draft length in 0..n_draft from the cost model and the
                               calibrated confidence of the drafted slots (see dflash_engine_set_costs) */
+    bool     canonical_prefill; /* a prompt's KV as a fresh prefill computes it, whatever the cache held:
+                              chunks of n_batch from position 0, so prefix reuse keeps only whole chunks
+                              of the previous prompt's prefill (exact mode: llama.cpp's CPU kernels
+                              round a row differently in another split, so a reused prefix made of
+                              other batches would change the output's last bits) */
 };
 
 /* ---- cost-aware drafting ------------------------------------------------------

@@ -58,6 +58,7 @@ struct dflash_engine {
     bool active, eos;
     int32_t draft_len_max;          // the draft length start validated
     int32_t n_hist, n_gen, n_past;  // committed tokens, generated tokens, target KV length
+    int32_t n_prefilled;            // the last prompt (its KV made by prefill chunks from position 0)
     double t_start;
     int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
     float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
@@ -414,6 +415,10 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     if (params->reuse_prefix && e->n_past > 0 && llama_memory_seq_pos_max(mem, e->seq) + 1 == e->n_past &&
         (!e->drafter || dflash_state_n_ctx_used(e->st) == e->n_past)) {
         while (reuse < e->n_past && reuse < n_prompt - 1 && e->history[reuse] == prompt[reuse]) reuse++;
+        if (params->canonical_prefill) {
+            const int32_t lim = reuse < e->n_prefilled ? reuse : e->n_prefilled;
+            reuse = lim / e->n_batch * e->n_batch;
+        }
         if (reuse > 0 && !llama_memory_seq_rm(mem, e->seq, reuse, -1)) reuse = 0; // no partial removal (recurrent)
     }
     if (reuse > 0) {
@@ -449,6 +454,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     e->n_gen = 1;
     e->history[e->n_hist++] = tok;
     e->n_past = n_prompt; // target KV length == position of the anchor
+    e->n_prefilled = n_prompt;
     e->eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
     e->active = true;
     st->n_generated = 1;

@@ -268,7 +268,7 @@ class EngineCore(_native.Resource):
             "n_draft": req.draft_len, "n_min": req.n_min, "max_tokens": req.max_tokens,
             "stop_on_eos": req.stop_on_eos, "mode": mode, "temperature": sp.temperature, "seed": seed,
             "p_min": req.p_min, "draft_budget": req.draft_budget, "reuse_prefix": req.reuse_prefix,
-            "adaptive": req.adaptive,
+            "adaptive": req.adaptive, "canonical_prefill": self.exact is not None,
             **grammar_params(sp, chain),
             "sampler": _native.ptr("struct llama_sampler *", chain.sampler) if chain else ffi.NULL})
         kind = "external" if draft_source else ("dflash" if self._drafter and req.draft_len > 0 else "none")
