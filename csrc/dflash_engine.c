@@ -67,6 +67,7 @@ struct dflash_engine {
     bool shared;               // on a context shared with other engines (dflash_engine_new_seq)
     dflash_state * st;         // the drafter state: the drafter's own, or (shared) this engine's
     int32_t row0;              // this engine's first row in the last verify decode
+    int32_t joint_rows, own_rows; // the last joint decode's rows, and this engine's share of them
     struct step_plan plan;     // the step between its draft and its verify
 };
 
@@ -652,6 +653,8 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     e->n_gen += n_out;
 
     const double t_v = t_verify + (tc - tb);  // the decode and this engine's accept loop
+    e->joint_rows = rows_total;
+    e->own_rows = n_drafted + 1;
     dflash_policy_observe(&e->policy, adaptive, n_made, conf, n_drafted, n_acc, n_out, pl->t_draft, t_v,
                           rows_total);
     st->steps++;
@@ -724,7 +727,11 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t ma
     int32_t rows = 0;
     for (int32_t i = 0; i < n; i++) {
         struct dflash_engine * e = engines[i];
-        const int32_t rc = step_prepare(e, share, live > 0 ? live - 1 : 0, err, err_len);
+        // the others' rows: at least their anchors, likely what they put in the last joint decode
+        int32_t base = live > 0 ? live - 1 : 0;
+        const int32_t last = e->joint_rows - e->own_rows;
+        if (last > base) base = last < (live - 1) * share ? last : (live - 1) * share;
+        const int32_t rc = step_prepare(e, share, base, err, err_len);
         go[i] = rc == 1;
         if (rc < 0) out_counts[i] = -1;
         if (go[i]) {

@@ -25,6 +25,7 @@
 void dflash_policy_init(struct dflash_policy * p) {
     memset(p, 0, sizeof(*p));
     p->speed = 1.0;
+    p->joint_speed = 0.0;  // (from the one-sequence speed at the first joint decode)
     for (int32_t i = 0; i < DFLASH_MAX_DRAFT; i++) p->recent[i] = -1.0;  // not seen yet
     for (int32_t c = 0; c < DFLASH_POLICY_STATES; c++) {
         p->gain[c] = 0.5;  // optimistic: draft first, learn from what the drafts gain
@@ -78,15 +79,27 @@ static double recent_at(const struct dflash_policy * p, int32_t i) {
     return p->recent[i] < 0.0 ? 0.5 : p->recent[i];
 }
 
+// A joint decode of k rows (several sequences'), as the model predicts it now.
+static double t_joint(const struct dflash_policy * p, int32_t k) {
+    if (!p->have_costs || p->costs.n_rows < 1) return dflash_policy_t_verify(p, k);
+    const double js = p->joint_speed > 0.0 ? p->joint_speed : p->speed;
+    return js * curve(p->costs.t_verify, p->costs.n_rows, k);
+}
+
 // Seconds that k rows of this sequence add to the verify batch (alone: the batch's own time).
+// The one-sequence curve is not monotonic (llama.cpp switches kernels at some sizes): a joint
+// batch's rows are never priced below nothing.
 static double t_rows(const struct dflash_policy * p, int32_t k) {
     const int32_t b = p->base_rows;
-    return dflash_policy_t_verify(p, b + k) - (b > 0 ? dflash_policy_t_verify(p, b) : 0.0);
+    if (b == 0) return dflash_policy_t_verify(p, k);
+    const double d = t_joint(p, b + k) - t_joint(p, b);
+    return d > 0.0 ? d : 0.0;
 }
 
 // Tokens per second of plain steps (in a joint batch: of the batch, one token per sequence).
 static double plain_rate(const struct dflash_policy * p) {
-    return (p->base_rows + 1) / dflash_policy_t_verify(p, p->base_rows + 1);
+    const int32_t b = p->base_rows;
+    return b == 0 ? 1.0 / dflash_policy_t_verify(p, 1) : (b + 1) / t_joint(p, b + 1);
 }
 
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
@@ -164,7 +177,13 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
         ? committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1)
         : committed - 1.0 - plain_rate(p) * (t_draft + t_rows(p, k + 1) - t_rows(p, 1));
     if (rows_total < k + 1) rows_total = k + 1;
-    if (p->have_costs && cm->n_rows >= 1) {
+    if (p->have_costs && cm->n_rows >= 1 && p->base_rows > 0) {
+        // a joint decode: its own speed factor (the one-sequence curves stay as they are)
+        const double model = curve(cm->t_verify, cm->n_rows, rows_total);
+        double r = model > 0.0 ? t_verify / model : 1.0;
+        r = r < 0.2 ? 0.2 : (r > 5.0 ? 5.0 : r);
+        p->joint_speed = 0.8 * (p->joint_speed > 0.0 ? p->joint_speed : p->speed) + 0.2 * r;
+    } else if (p->have_costs && cm->n_rows >= 1) {
         // machine drift moves every size alike; each size's own curve follows more slowly
         const double model = curve(cm->t_verify, cm->n_rows, rows_total);
         double r = model > 0.0 ? t_verify / model : 1.0;

@@ -31,6 +31,8 @@ struct dflash_policy {
     // rows other sequences put in the same verify batch (dflash_engine_step_group): a step's rows
     // cost what they add to the joint batch, and the rate to beat is the batch's plain rate
     int32_t base_rows;
+    double joint_speed;           // joint decodes' time / the one-sequence curve at their rows, EMA (several
+                                  // sequences' rows cost more than one's: attention per sequence, masks)
 };
 
 void   dflash_policy_init(struct dflash_policy * p);

@@ -372,9 +372,10 @@ class Llama(llama_cpp.Llama):
         a = _GENERATE.bind(origin, tokens, *args, **kwargs)
         a.apply_defaults()
         a = a.arguments
-        if (origin._group is not None and origin._fallback_reason(a["temp"], a["mirostat_mode"]) is None
+        reason = origin._fallback_reason(a["temp"], a["mirostat_mode"])
+        if (origin._group is not None and reason in (None, "speculation off")  # (off: plain steps, still joint)
                 and not origin._outside_eval and origin.draft_source is None and origin.on_step is None):
-            yield from self._grouped(origin, origin._group, a)
+            yield from self._grouped(origin, origin._group, a, draft=reason is None)
             return
         with origin._serial.hold():  # on the model itself, with this view's seed and stop event
             saved = origin._seed, origin.stop_requested
@@ -386,8 +387,8 @@ class Llama(llama_cpp.Llama):
                 self.last_speculative_stats = origin.last_speculative_stats
                 self._dflash_stop_state = tuple(np.copy(x) for x in origin._stop_state())
 
-    def _grouped(self, origin: Llama, group: EngineGroup, a: dict) -> Iterator[int]:
-        """A view's generation in a slot of the group."""
+    def _grouped(self, origin: Llama, group: EngineGroup, a: dict, draft: bool) -> Iterator[int]:
+        """A view's generation in a slot of the group (draft: speculate, else plain steps)."""
         toks = [int(t) for t in a["tokens"]]
         max_tokens = origin._usable_ctx() - len(toks)
         if max_tokens < 1:
@@ -396,7 +397,8 @@ class Llama(llama_cpp.Llama):
         if budget:  # the scheduler runs ahead of the reader: stop near the completion's own limit
             max_tokens = min(max_tokens, budget + _BUDGET_SLACK)
         sp = origin._sampling(a, self._seed)
-        req = EngineRequest(max_tokens=max_tokens, draft_len=origin.draft_n_max, n_min=origin.draft_n_min,
+        req = EngineRequest(max_tokens=max_tokens, draft_len=origin.draft_n_max if draft else 0,
+                            n_min=origin.draft_n_min,
                             p_min=origin.draft_p_min, draft_budget=budget, reuse_prefix=True,
                             adaptive=origin.speculation == "auto", sampling=sp)
         criteria, rows = a["stopping_criteria"], a["logprob_rows"]
