@@ -345,8 +345,8 @@ dflash_engine * dflash_engine_new(struct llama_context * tctx, dflash_drafter * 
                                   dflash_capture * c, char * err, size_t err_len);
 void dflash_engine_free(dflash_engine * e);
 /* An engine on sequence seq_id of a context shared with other engines (n_seq_max > seq_id;
- * a unified KV cache keeps their joint batches in one ubatch), with a drafter state of its
- * own (the drafter and capture are shared).  Such engines step together, see
+ * its n_ctx / n_seq_max positions), with a drafter state of its own (the drafter and capture
+ * are shared).  Such engines step together, see
  * dflash_engine_step_group; prefix reuse, rollback and resets touch only their sequence. */
 dflash_engine * dflash_engine_new_seq(struct llama_context * tctx, dflash_drafter * d, dflash_capture * c,
                                       int32_t seq_id, char * err, size_t err_len);

@@ -177,21 +177,21 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
         ? committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1)
         : committed - 1.0 - plain_rate(p) * (t_draft + t_rows(p, k + 1) - t_rows(p, 1));
     if (rows_total < k + 1) rows_total = k + 1;
-    if (p->have_costs && cm->n_rows >= 1 && p->base_rows > 0) {
-        // a joint decode: its own speed factor (the one-sequence curves stay as they are)
-        const double model = curve(cm->t_verify, cm->n_rows, rows_total);
-        double r = model > 0.0 ? t_verify / model : 1.0;
-        r = r < 0.2 ? 0.2 : (r > 5.0 ? 5.0 : r);
-        p->joint_speed = 0.8 * (p->joint_speed > 0.0 ? p->joint_speed : p->speed) + 0.2 * r;
-    } else if (p->have_costs && cm->n_rows >= 1) {
-        // machine drift moves every size alike; each size's own curve follows more slowly
+    if (p->have_costs && cm->n_rows >= 1) {
         const double model = curve(cm->t_verify, cm->n_rows, rows_total);
         double r = model > 0.0 ? t_verify / model : 1.0;
         r = r < 0.2 ? 0.2 : (r > 5.0 ? 5.0 : r);  // one preempted step must not swing the model
-        p->speed = 0.9 * p->speed + 0.1 * r;
-        if (rows_total <= cm->n_rows) {
-            cm->t_verify[rows_total - 1] += 0.05 * (t_verify / p->speed - cm->t_verify[rows_total - 1]);
+        if (p->base_rows > 0) {
+            // a joint decode: its own speed factor (the one-sequence curves stay as they are)
+            p->joint_speed = 0.8 * (p->joint_speed > 0.0 ? p->joint_speed : p->speed) + 0.2 * r;
+        } else {
+            // machine drift moves every size alike; each size's own curve follows more slowly
+            p->speed = 0.9 * p->speed + 0.1 * r;
+            if (rows_total <= cm->n_rows) {
+                cm->t_verify[rows_total - 1] += 0.05 * (t_verify / p->speed - cm->t_verify[rows_total - 1]);
+            }
         }
+        // the draft's own time, alone or beside a joint decode (in the group it is paid before the decode)
         if (n_drafted >= 1 && n_drafted <= cm->n_draft) {
             cm->t_draft[n_drafted - 1] += 0.1 * (t_draft / p->speed - cm->t_draft[n_drafted - 1]);
         } else if (n_drafted >= 1 && cm->n_draft == 0) {

@@ -3,16 +3,17 @@
 On a compute-bound CPU one ``llama_decode`` of R rows costs far less than R decodes of one row
 (measured here: 4 sequences' rows in one batch take 0.5-0.7x the time of their separate decodes),
 so a server with several requests in flight serves them faster together than in turn.  An
-``EngineGroup`` owns a second context on the core's model with one sequence per slot (a unified
-KV cache keeps a joint batch in one ubatch), a sequence engine per slot (its own drafter state:
-the drafter's weights are shared) and a scheduler thread.  Each scheduler round admits waiting
-generations into free slots (their prefill), then runs ``dflash_engine_step_group``: every active
-sequence drafts, and one decode verifies all their rows.  Adaptive sequences price their rows at
-what they add to the joint batch, so under load drafting only goes on where it still pays.
+``EngineGroup`` owns a second context on the core's model with one sequence per slot (a KV
+stream each), a sequence engine per slot (its own drafter state: the drafter's weights are
+shared) and a scheduler thread.  Each scheduler round admits waiting generations into free
+slots (their prefill), then runs ``dflash_engine_step_group``: every active sequence drafts, and
+one decode verifies all their rows.  Adaptive sequences price their rows at what they add to the
+joint batch, so under load drafting only goes on where it still pays.
 
-Output: a sequence's tokens are what the same request gives alone in greedy mode, and the same
-seed gives the same text at T > 0 (its sampler chain and draws are its own); in exact mode the
-joint batch is checked bit for bit against one-sequence decoding (tests/test_group.py).
+Output: each sequence is verified exactly as alone (its own sampler chain and draws), so the
+output is what plain decoding gives up to llama.cpp's batch numerics -- in the default mode a
+joint batch rounds differently and may move a near-tie, in exact mode it is bit-identical to the
+same request alone (tests/test_group.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class EngineGroup(_native.Resource):
     """n_seq generations at a time on ``core``'s model, each of up to ``n_ctx`` positions.
 
     cparams: the ``llama_context_params`` (ctypes) the core's own context was created with --
-    copied, with n_seq sequences over a unified KV cache.  hold: exclusive use of the model's
+    copied, with n_seq sequences (a KV stream each).  hold: exclusive use of the model's
     native state around each scheduler round (the core's own generations take it too).
     on_done: called with each finished generation's stats (in the scheduler thread, under hold).
     """
@@ -100,11 +101,13 @@ class EngineGroup(_native.Resource):
         cp = type(cparams).from_buffer_copy(cparams)
         cp.n_ctx = n_seq * n_ctx
         cp.n_seq_max = n_seq
-        # One KV cache for all sequences keeps a joint batch in one ubatch (split per sequence, drafts of
-        # unequal lengths cost more), but a rolled-back draft's cells are reused by whichever sequence
-        # comes next, so a sequence's cells leave position order and attention sums them in another
-        # order: exact mode gives every sequence its own stream, in order as in a context of its own.
-        cp.kv_unified = core.exact is None
+        # A KV stream per sequence: each row's attention spans its own sequence's cells (in one unified
+        # cache it spans every slot's, measured 1.6x slower for 8 x 1 rows at 400 positions each, while
+        # drafts of unequal lengths, which the split makes several ubatches, cost about the same
+        # either way at that length); and a sequence's cells stay in position order (in a unified
+        # cache a rolled-back draft's cells go to whichever sequence comes next, and attention then
+        # sums them in another order: exact mode would break).
+        cp.kv_unified = False
         cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
         cp.cb_eval_user_data = None
         taps = list(core.drafter_info.target_layers) if core.has_drafter else []
@@ -282,8 +285,6 @@ class EngineGroup(_native.Resource):
                     self._on_done(seq.stats)
         with contextlib.suppress(Exception):
             seq.exit.close()
-        if seq.cancelled:  # stopped inside a step: the slot's KV holds tokens the caller never saw
-            lib.dflash_engine_forget(self._engines[seq.slot])
         seq.run = None
         with self._cv:
             if self._active.get(seq.slot) is seq:
