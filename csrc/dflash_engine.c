@@ -98,6 +98,7 @@ static dflash_engine * engine_new(struct llama_context * tctx, dflash_drafter * 
     // llama.cpp may round n_ctx up; the usable context is what both caches hold.
     e->n_ctx = (int32_t) llama_n_ctx(tctx);
     if (shared) e->n_ctx /= (int32_t) llama_n_seq_max(tctx);  // each sequence its share of the cells
+                                                                // (its stream, or of the unified cache)
     if (d) {
         struct dflash_drafter_info info;
         dflash_drafter_get_info(d, &info);
@@ -114,6 +115,8 @@ static dflash_engine * engine_new(struct llama_context * tctx, dflash_drafter * 
         return NULL;
     }
     dflash_policy_init(&e->policy);
+    // a KV stream per sequence (each holds n_ctx / n_seq_max cells) splits joint batches into ubatches
+    e->policy.split_ubatches = shared && llama_n_seq_max(tctx) > 1 && llama_n_ctx_seq(tctx) < llama_n_ctx(tctx);
     e->batch = llama_batch_init(e->n_batch > DFLASH_MAX_DRAFT + 1 ? e->n_batch : DFLASH_MAX_DRAFT + 1, 0, 1);
     e->p = malloc(sizeof(float) * (size_t) e->n_vocab);
     e->cur = malloc(sizeof(llama_token_data) * (size_t) e->n_vocab);

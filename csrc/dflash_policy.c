@@ -88,12 +88,16 @@ static double t_joint(const struct dflash_policy * p, int32_t k) {
 
 // Seconds that k rows of this sequence add to the verify batch (alone: the batch's own time).
 // The one-sequence curve is not monotonic (llama.cpp switches kernels at some sizes): a joint
-// batch's rows are never priced below nothing.
+// batch's rows are never priced below nothing.  With a KV stream per sequence the first row joins
+// the others' ubatch and the rest run as one of their own (the others verify their anchors
+// alone, as they mostly do under load).
 static double t_rows(const struct dflash_policy * p, int32_t k) {
     const int32_t b = p->base_rows;
     if (b == 0) return dflash_policy_t_verify(p, k);
-    const double d = t_joint(p, b + k) - t_joint(p, b);
-    return d > 0.0 ? d : 0.0;
+    const int32_t shared = p->split_ubatches ? 1 : k;
+    double d = t_joint(p, b + shared) - t_joint(p, b);
+    d = d > 0.0 ? d : 0.0;
+    return k > shared ? d + dflash_policy_t_verify(p, k - shared) : d;
 }
 
 // Tokens per second of plain steps (in a joint batch: of the batch, one token per sequence).

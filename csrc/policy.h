@@ -33,6 +33,8 @@ struct dflash_policy {
     int32_t base_rows;
     double joint_speed;           // joint decodes' time / the one-sequence curve at their rows, EMA (several
                                   // sequences' rows cost more than one's: attention per sequence, masks)
+    bool split_ubatches;          // a KV stream per sequence: llama.cpp decodes a joint batch as ubatches of
+                                  // equal rows per sequence, so rows beyond the others' take decodes of their own
 };
 
 void   dflash_policy_init(struct dflash_policy * p);
