@@ -222,6 +222,8 @@ class Llama(llama_cpp.Llama):
         limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
         self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))  # mode: invariant)
         if parallel > 1 and self._unavailable is None:
+            if self._core.has_drafter and speculation == "auto":
+                self._core.ensure_costs()  # now (it clears the context), the slots' prior
             self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
                                       hold=self._serial.hold, on_done=self._record_stats)
 

@@ -259,7 +259,7 @@ class EngineCore(_native.Resource):
         if self.exact is not None and req.draft_len > self.max_draft_len:
             req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
         if req.adaptive and req.draft_len > 0:
-            self._ensure_costs()
+            self.ensure_costs()
         toks = [int(t) for t in tokens]
         sp = req.sampling
         mode, chain = verification(sp, self._model, self._vocab, self.n_vocab, history=history)
@@ -305,7 +305,7 @@ class EngineCore(_native.Resource):
             if chain is not None:
                 chain.close()
 
-    def _ensure_costs(self) -> None:
+    def ensure_costs(self) -> None:
         """Before the first adaptive generation: the cost model and calibration from the cache,
         else measured now (a fraction of a second; the context's KV is cleared)."""
         if self._costs_ready:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import llama_cpp
@@ -135,7 +137,7 @@ class EngineGroup(_native.Resource):
                 raise DFlashError(_native.err_str(err))
             self._engines.append(e)
         self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq)
-        self._costs_copied = False
+        self._copy_costs()  # the core's cost model and calibration (if it has one): each slot's prior
         self._free = list(range(n_seq))
         self._active: dict[int, GroupSequence] = {}
         self._waiting: collections.deque[GroupSequence] = collections.deque()
@@ -206,30 +208,15 @@ class EngineGroup(_native.Resource):
                     admit.append(seq)
                     self._active[seq.slot] = seq
                 active = list(self._active.values())
-            with self._hold():
-                for seq in admit:
-                    self._start(seq, err)
-                for seq in active:
-                    if seq.cancelled and seq.slot in self._active:
-                        self._finish(seq)
-                live = [s for s in active if s.slot in self._active and s.run is not None]
-                if not live:
-                    continue
-                engines = ffi.new("dflash_engine *[]", [self._engines[s.slot] for s in live])
-                if lib.dflash_engine_step_group(engines, len(live), self._max_rows, out, counts, err,
-                                                _native.ERR_LEN) != 0:
-                    msg = DFlashError(_native.err_str(err))
-                    for s in live:
-                        self._finish(s, msg)
-                    continue
-                self.joint_steps += 1
-                self.joint_sequences += len(live)
-                for i, s in enumerate(live):
-                    n = counts[i]
-                    if n > 0:
-                        self._put(s, list(out[i * n_rows:i * n_rows + n]))
-                    else:
-                        self._finish(s, None if n == 0 else self._error(s, err))
+            try:
+                with self._hold():
+                    self._round(admit, active, out, counts, err)
+            except Exception as ex:  # noqa: BLE001 - a bug: end what runs with it, never leave readers waiting
+                traceback.print_exc(file=sys.stderr)
+                with self._hold():
+                    for s in list(self._active.values()):
+                        self._finish(s, DFlashError(f"internal error in the concurrent scheduler "
+                                                    f"({type(ex).__name__})"))
         with self._hold():
             for s in list(self._active.values()):
                 self._finish(s, DFlashError("the group was closed"))
@@ -237,12 +224,36 @@ class EngineGroup(_native.Resource):
                 s._out.put(DFlashError("the group was closed"))
                 s.done.set()
 
+    def _round(self, admit: list[GroupSequence], active: list[GroupSequence], out, counts, err) -> None:
+        """One scheduler round: prefill the admitted, drop the closed, step the rest together."""
+        n_rows = int(lib.DFLASH_MAX_ROWS)
+        for seq in admit:
+            self._start(seq, err)
+        for seq in active:
+            if seq.cancelled and seq.slot in self._active:
+                self._finish(seq)
+        live = [s for s in active if s.slot in self._active and s.run is not None]
+        if not live:
+            return
+        engines = ffi.new("dflash_engine *[]", [self._engines[s.slot] for s in live])
+        if lib.dflash_engine_step_group(engines, len(live), self._max_rows, out, counts, err,
+                                        _native.ERR_LEN) != 0:
+            msg = DFlashError(_native.err_str(err))
+            for s in live:
+                self._finish(s, msg)
+            return
+        self.joint_steps += 1
+        self.joint_sequences += len(live)
+        for i, s in enumerate(live):
+            n = counts[i]
+            if n > 0:
+                self._put(s, list(out[i * n_rows:i * n_rows + n]))
+            else:
+                self._finish(s, None if n == 0 else self._error(s, err))
+
     def _start(self, seq: GroupSequence, err) -> None:
         core, e = self.core, self._engines[seq.slot]
         try:
-            if seq.req.adaptive and seq.req.draft_len > 0 and not self._costs_copied:
-                core._ensure_costs()  # the core's cost model (cached per machine), the group's prior
-                self._copy_costs()
             seq.run = seq.exit.enter_context(core.run(seq.tokens, seq.req, history=seq.history, engine=e))
             first = lib.dflash_engine_start(e, seq.run.prompt_c, len(seq.tokens), seq.run.params, ffi.NULL, err,
                                             _native.ERR_LEN)
@@ -260,7 +271,6 @@ class EngineGroup(_native.Resource):
             seq._out.put(tokens)
 
     def _copy_costs(self) -> None:
-        self._costs_copied = True
         costs = ffi.new("struct dflash_costs *")
         cal = ffi.new("struct dflash_calibration *")
         if not lib.dflash_engine_get_costs(self.core._engine, costs):
