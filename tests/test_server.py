@@ -243,6 +243,7 @@ def test_hundred_concurrent_streams_each_equal_alone(server):
     request sent alone, none is cut or emptied, and /v1/models answers while they run."""
     prompts = [f"Item {i}: the colour of the" for i in range(100)]
     body = {"max_tokens": 8, "temperature": 0.0}
+    joint0 = _joint(server)
     with ThreadPoolExecutor(100) as ex:
         futs = [ex.submit(_stream, server["base"], "/v1/completions", {"prompt": p, **body}) for p in prompts]
         time.sleep(0.5)
@@ -250,12 +251,22 @@ def test_hundred_concurrent_streams_each_equal_alone(server):
         assert httpx.get(server["base"] + "/v1/models", timeout=60).status_code == 200
         models_s = time.perf_counter() - t0
         got = [f.result() for f in futs]
+    steps, seqs = (b - a for a, b in zip(joint0, _joint(server), strict=True))
     alone = [_stream(server["base"], "/v1/completions", {"prompt": p, **body}) for p in prompts]
     assert got == alone
     assert all(n >= 1 for _, n in got)
     assert models_s < 30  # a hang guard, not a speed test: it does not wait for the queue
     m = httpx.get(server["base"] + "/metrics").text
     assert "llama_dflash_queue_waiting 0" in m and 'llama_dflash_http_requests_total{outcome="server_error"} 0' in m
+    # served together, not only queued: the decodes verified several requests' rows at once
+    assert seqs > 2 * steps > 0
+
+
+def _joint(server) -> tuple[float, float]:
+    """/metrics' joint decodes and the sequences they verified."""
+    m = httpx.get(server["base"] + "/metrics").text
+    vals = dict(line.split() for line in m.splitlines() if not line.startswith("#") and "{" not in line)
+    return float(vals["llama_dflash_joint_steps_total"]), float(vals["llama_dflash_joint_sequences_total"])
 
 
 def test_fifty_disconnects_mid_stream_are_survived(server):
