@@ -64,15 +64,15 @@ def _text(llm, p, **kw):
 
 @pytest.mark.parametrize("speculation,parallel,n_max", [("on", 2, 3), ("auto", 4, None)])
 def test_concurrent_requests_equal_alone_exact(speculation, parallel, n_max):
-    """8 greedy and 4 seeded requests at once: each equals the same request alone (the model's
+    """6 greedy and 2 seeded requests at once: each equals the same request alone (the model's
     own loop); with fixed drafts that fit their share of the joint batch (exact mode: the 8 rows
     the self-check proved), each drafted and accepted the same too."""
     llm = llama_dflash.Llama(str(default_target()), draft_model_path=str(shipped_drafter()), n_ctx=512,
                              verbose=False, exact=True, speculation=speculation, parallel=parallel,
                              draft_n_max=n_max)
     try:
-        cases = [(p, dict(temperature=0.0)) for p in PROMPTS]
-        cases += [(p, dict(temperature=0.8, seed=s)) for p, s in zip(PROMPTS[:4], (1, 2, 3, 4), strict=True)]
+        cases = [(p, dict(temperature=0.0, max_tokens=24)) for p in PROMPTS[:6]]
+        cases += [(p, dict(temperature=0.8, seed=s, max_tokens=24)) for p, s in zip(PROMPTS[6:], (1, 2), strict=True)]
         alone = []
         for p, kw in cases:
             alone.append((_text(llm, p, **kw), llm.last_speculative_stats))
