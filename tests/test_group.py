@@ -180,3 +180,12 @@ def test_a_model_without_a_drafter_serves_concurrently(artifacts):
         assert llm.draft_n_max == 0
     finally:
         llm.close()
+
+
+def test_exact_mode_serves_at_most_its_invariant_rows_at_once():
+    llm = llama_dflash.Llama(str(default_target()), draft_model_path=str(shipped_drafter()), n_ctx=256,
+                             verbose=False, exact=True, parallel=64)
+    try:
+        assert llm.parallel == llm._core.exact.max_rows == llm._group.n_seq >= 2
+    finally:
+        llm.close()

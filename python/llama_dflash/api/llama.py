@@ -136,7 +136,8 @@ class Llama(llama_cpp.Llama):
     parallel: requests served together (default 1: one at a time).  With more, ``view()`` hands
     out views of this model whose generations share one decode per step (each sequence's drafts
     verified in a joint batch, docs/architecture.md §5.10) -- a second context with ``parallel``
-    sequences of n_ctx positions each; the server serves concurrent requests that way.
+    sequences of n_ctx positions each; the server serves concurrent requests that way (exact
+    mode: at most as many as the rows its self-check proved invariant).
 
     Completions run through a loop that adds O(1) work per token (llama-cpp-python's re-reads
     the whole text), and ``logprobs`` work without ``logits_all`` (no n_ctx x n_vocab buffer).
@@ -221,6 +222,8 @@ class Llama(llama_cpp.Llama):
         self._unavailable = self._core.unavailable
         limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
         self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))  # mode: invariant)
+        if self._core.exact is not None:  # joint decodes no larger than the self-check proved invariant
+            self.parallel = parallel = min(parallel, self._core.exact.max_rows)
         if parallel > 1 and self._unavailable is None:
             if self._core.has_drafter and speculation == "auto":
                 self._core.ensure_costs()  # now (it clears the context), the slots' prior
