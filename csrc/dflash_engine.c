@@ -721,13 +721,29 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t ma
     int32_t live = 0;
     for (int32_t i = 0; i < n; i++) live += engines[i]->active;
     if (max_rows <= 0 || max_rows > e0->n_batch) max_rows = e0->n_batch;
+    // With a KV stream per sequence llama.cpp orders a joint batch's rows by sequence and splits it into
+    // ubatches of equal rows per sequence; the logits come back in batch order but the captured features
+    // in ubatch order.  Rows in ascending sequence order, equally many per sequence, in one ubatch, keep
+    // the two orders the same.
+    const bool split = e0->policy.split_ubatches;
+    const int32_t n_ubatch = (int32_t) llama_n_ubatch(e0->ctx);
+    if (split && max_rows > n_ubatch) max_rows = n_ubatch;
     if (live > max_rows) {
         dflash_seterr(err, err_len, "%d sequences do not fit a joint batch of %d rows", live, max_rows);
         return -1;
     }
     const int32_t share = live > 0 ? max_rows / live : max_rows;
     bool go[DFLASH_MAX_SEQ_GROUP];
-    int32_t rows = 0;
+    int32_t order[DFLASH_MAX_SEQ_GROUP];  // engines by sequence id
+    for (int32_t i = 0; i < n; i++) {
+        int32_t j = i;
+        while (j > 0 && engines[order[j - 1]]->seq > engines[i]->seq) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    int32_t n_go = 0, min_drafted = DFLASH_MAX_DRAFT;
     for (int32_t i = 0; i < n; i++) {
         struct dflash_engine * e = engines[i];
         // the others' rows: at least their anchors, likely what they put in the last joint decode
@@ -738,9 +754,18 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t ma
         go[i] = rc == 1;
         if (rc < 0) out_counts[i] = -1;
         if (go[i]) {
-            e->row0 = rows;
-            rows += e->plan.n_drafted + 1;
+            n_go++;
+            if (e->plan.n_drafted < min_drafted) min_drafted = e->plan.n_drafted;
         }
+    }
+    int32_t rows = 0;
+    for (int32_t o = 0; o < n; o++) {
+        struct dflash_engine * e = engines[order[o]];
+        if (!go[order[o]]) continue;
+        // (verifying fewer of its drafts is always right: the rest are simply not proposed)
+        if (split && n_go > 1 && e->plan.n_drafted > min_drafted) e->plan.n_drafted = min_drafted;
+        e->row0 = rows;
+        rows += e->plan.n_drafted + 1;
     }
     if (rows == 0) return 0;
     struct llama_batch b = llama_batch_init(rows, 0, 1);

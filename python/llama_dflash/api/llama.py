@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import random
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -98,20 +100,20 @@ class _Serial:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owner: int | None = None
+        self.owner: int | None = None  # the thread inside
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         me = threading.get_ident()
-        if self._owner == me:
+        if self.owner == me:
             yield
             return
         with self._lock:
-            self._owner = me
+            self.owner = me
             try:
                 yield
             finally:
-                self._owner = None
+                self.owner = None
 
 
 class Llama(llama_cpp.Llama):
@@ -199,6 +201,7 @@ class Llama(llama_cpp.Llama):
         self._eval_end = 0          # n_tokens as the last eval() left it
         self.parallel = parallel
         self._group: EngineGroup | None = None
+        self._view_lock = threading.Lock()
         if draft_model_path is not None or parallel > 1:  # (concurrent requests run in the engine, drafter or not)
             if draft_model_path is not None:
                 check_file(draft_model_path, "drafter")
@@ -222,13 +225,21 @@ class Llama(llama_cpp.Llama):
         self._unavailable = self._core.unavailable
         limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
         self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))  # mode: invariant)
-        if self._core.exact is not None:  # joint decodes no larger than the self-check proved invariant
-            self.parallel = parallel = min(parallel, self._core.exact.max_rows)
-        if parallel > 1 and self._unavailable is None:
+        # a joint decode holds a row per sequence at least: within a batch (exact mode: within the rows
+        # its self-check proved invariant); a multimodal chat handler fills the model's own context
+        parallel = min(parallel, int(self.context_params.n_batch))
+        if self._core.exact is not None:
+            parallel = min(parallel, self._core.exact.max_rows)
+        if self.chat_handler is not None or self._unavailable is not None:
+            parallel = 1
+        self.parallel = parallel  # what is served at once: 1 when no group could be built
+        if parallel > 1:
             if self._core.has_drafter and speculation == "auto":
                 self._core.ensure_costs()  # now (it clears the context), the slots' prior
+            me = weakref.ref(self)  # (the scheduler thread must not keep the model alive)
             self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
-                                      hold=self._serial.hold, on_done=self._record_stats)
+                                      hold=self._serial.hold,
+                                      on_done=lambda st: (o := me()) is not None and o._record_stats(st))
 
     @property
     def joint_stats(self) -> dict[str, int]:
@@ -247,9 +258,15 @@ class Llama(llama_cpp.Llama):
         if self.__dict__.get("_origin") is not None:
             return self._origin.view()
         self._model  # noqa: B018 (raises once closed)
+        if self._group is None:
+            return self  # (one request at a time: the model itself)
         v = object.__new__(type(self))
         v.__dict__.update(self.__dict__)
-        v.__dict__.update(_origin=self, cache=None, stop_requested=threading.Event(), last_speculative_stats=None)
+        with self._view_lock:  # each view its own seed, as each request on the model draws the next one
+            self._seed = random.Random(self._seed).randint(0, 2**32)
+            seed = self._seed
+        v.__dict__.update(_origin=self, cache=None, stop_requested=threading.Event(), last_speculative_stats=None,
+                          _seed=seed)
         return v
 
     def __getstate__(self) -> dict:
@@ -286,7 +303,7 @@ class Llama(llama_cpp.Llama):
     # a cb_eval capture is in the params of the one context the base class creates.
     @property
     def _model(self):
-        if self.__dict__.get("_dflash_closed"):
+        if self._closed():
             raise DFlashError(_CLOSED)
         try:
             return self.__dict__["_dflash_target"]
@@ -317,7 +334,7 @@ class Llama(llama_cpp.Llama):
             origin = self.__dict__.get("_origin")
             if origin is not None:  # the base class's loop reads the model's own buffers: on the model
                 kwargs.setdefault("seed", self._seed)
-                return origin._create_completion(prompt, suffix, max_tokens, **kwargs)
+                return _held(origin._serial, origin._create_completion(prompt, suffix, max_tokens, **kwargs))
             # the base class's own loop (it still draws its tokens from generate below)
             self._base_budget = -1 if max_tokens is None else max_tokens
             return super()._create_completion(prompt, suffix, max_tokens, **kwargs)
@@ -338,11 +355,16 @@ class Llama(llama_cpp.Llama):
 
     @functools.wraps(llama_cpp.Llama.reset)
     def reset(self) -> None:
+        if self.__dict__.get("_origin") is not None:
+            return  # a view holds no context state: its next generation starts fresh in a slot
         super().reset()
         self._forget()  # the next generation evaluates its prompt again
 
     @functools.wraps(llama_cpp.Llama.load_state)
     def load_state(self, state) -> None:
+        if (origin := self.__dict__.get("_origin")) is not None:
+            with origin._serial.hold():
+                return origin.load_state(state)
         super().load_state(state)
         self._forget()
 
@@ -428,7 +450,10 @@ class Llama(llama_cpp.Llama):
                     n_ids += 1
                     yield t
         finally:
-            seq.close()
+            # (no waiting for the final stats where a round may be what is closing it: the scheduler's
+            # own thread, e.g. a collected generator, or a holder of the model's lock)
+            seq.close(wait=threading.current_thread() is not group.thread
+                      and origin._serial.owner != threading.get_ident())
             self.last_speculative_stats = seq.stats
             self._dflash_stop_state = (ids[:n_ids], row if row is not None else np.zeros(origin._n_vocab, np.float32))
 
@@ -606,6 +631,10 @@ class Llama(llama_cpp.Llama):
             # the model and context are freed: every later use is a clear error, not a crash
             self.__dict__["_dflash_closed"] = True
 
+    def _closed(self) -> bool:
+        origin = self.__dict__.get("_origin")
+        return bool((origin if origin is not None else self).__dict__.get("_dflash_closed"))
+
     # The tokenizer keeps its own reference to the model: guard it here too.
     @functools.wraps(llama_cpp.Llama.tokenize)
     def tokenize(self, *args, **kwargs):
@@ -621,7 +650,7 @@ class Llama(llama_cpp.Llama):
     # raises instead of handing a freed pointer to libllama.
     @property
     def _ctx(self):
-        if self.__dict__.get("_dflash_closed"):
+        if self._closed():
             raise DFlashError(_CLOSED)
         try:
             return self.__dict__["_dflash_ctx"]
@@ -634,3 +663,9 @@ class Llama(llama_cpp.Llama):
 
 
 _GENERATE = inspect.signature(Llama._generate)
+
+
+def _held(serial: _Serial, it: Iterator) -> Iterator:
+    """``it``, iterated under ``serial`` (released when it ends or is closed)."""
+    with serial.hold():
+        yield from it

@@ -419,9 +419,6 @@ class Worker:
         while (job := self._q.get()) is not None:
             with self._lock:
                 self.waiting -= 1
-            if job.cancelled.is_set():
-                self.count("cancelled")
-                continue
             with self._idle:  # another model: only once nothing runs on this one
                 while self.running and self._switches(job.model):
                     self._idle.wait()
@@ -430,13 +427,23 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - the job's error
                 self._fail(job, e)
                 continue
-            n = max(1, int(getattr(llm, "parallel", 1)))
+            n = max(1, int(getattr(llm, "parallel", 1)))  # (1 where the model serves one at a time)
             with self._idle:
                 while self.running >= n:
                     self._idle.wait()
+                if job.cancelled.is_set():  # (while it waited)
+                    self.counts["cancelled"] += 1
+                    continue
                 self.running += 1
-            target = llm.view() if n > 1 else llm
-            threading.Thread(target=self._run, args=(job, target), name="llama-dflash-request", daemon=True).start()
+            try:
+                target = llm.view() if n > 1 else llm
+                threading.Thread(target=self._run, args=(job, target), name="llama-dflash-request",
+                                 daemon=True).start()
+            except Exception as e:  # noqa: BLE001 - the job's error; the worker goes on
+                with self._idle:
+                    self.running -= 1
+                    self._idle.notify_all()
+                self._fail(job, e)
         with self._idle:
             while self.running:
                 self._idle.wait()

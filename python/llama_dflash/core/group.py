@@ -38,6 +38,15 @@ Hold = Callable[[], contextlib.AbstractContextManager]
 """Exclusive use of the model's native state (its drafter is shared with the core's own engine)."""
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class GroupSequence:
     """One generation in an ``EngineGroup``: iterate it for its tokens (a list per step, the
     prefill's token first) as the scheduler commits them -- with ``rows``, (tokens, the logits
@@ -89,8 +98,8 @@ class EngineGroup(_native.Resource):
 
     def __init__(self, core: EngineCore, cparams, n_seq: int, n_ctx: int, *,
                  hold: Hold = contextlib.nullcontext, on_done: Callable[[SpecStats], None] | None = None) -> None:
-        if not 2 <= n_seq <= 64:
-            raise ValueError(f"a group takes 2..64 sequences, got {n_seq}")
+        if not 2 <= n_seq <= min(64, int(cparams.n_batch)):
+            raise ValueError(f"a group takes 2..min(64, n_batch {cparams.n_batch}) sequences, got {n_seq}")
         self._ctx = self._capture = None
         self._engines: list = []
         self._thread: threading.Thread | None = None
@@ -145,7 +154,9 @@ class EngineGroup(_native.Resource):
         self._closing = False
         self.joint_steps = 0      # scheduler rounds that verified at least one sequence
         self.joint_sequences = 0  # sequences those rounds verified (/ joint_steps: sequences per decode)
+        self._prompts: list[list[int]] = [[] for _ in range(n_seq)]  # each slot's last prompt (its KV prefix)
         self._thread = threading.Thread(target=self._loop, name="llama-dflash-group", daemon=True)
+        self.thread = self._thread
         self._thread.start()
 
     # -- the callers' side ---------------------------------------------------------------------
@@ -204,7 +215,12 @@ class EngineGroup(_native.Resource):
                 admit = []
                 while self._waiting and self._free:
                     seq = self._waiting.popleft()
-                    seq.slot = self._free.pop(0)
+                    # the free slot whose cached prompt shares the longest prefix (a system prompt, an
+                    # earlier turn of the conversation) prefills least
+                    best = max(self._free, key=lambda s: _common(self._prompts[s], seq.tokens))
+                    self._free.remove(best)
+                    seq.slot = best
+                    self._prompts[best] = seq.tokens
                     admit.append(seq)
                     self._active[seq.slot] = seq
                 active = list(self._active.values())
@@ -217,12 +233,14 @@ class EngineGroup(_native.Resource):
                     for s in list(self._active.values()):
                         self._finish(s, DFlashError(f"internal error in the concurrent scheduler "
                                                     f"({type(ex).__name__})"))
-        with self._hold():
-            for s in list(self._active.values()):
-                self._finish(s, DFlashError("the group was closed"))
-            for s in self._waiting:
-                s._out.put(DFlashError("the group was closed"))
-                s.done.set()
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for s in waiting:
+            s._out.put(DFlashError("the group was closed"))
+            s.done.set()
+        # (no lock needed: this touches the group's own engines and the requests' sampler chains only)
+        for s in list(self._active.values()):
+            self._finish(s, DFlashError("the group was closed"))
 
     def _round(self, admit: list[GroupSequence], active: list[GroupSequence], out, counts, err) -> None:
         """One scheduler round: prefill the admitted, drop the closed, step the rest together."""
