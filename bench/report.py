@@ -523,12 +523,14 @@ def concurrent() -> list[str]:
         out.append(f"| {sname} | {conf} | {v['tokens_per_s']:.1f} | {v['vs_queued']:.2f} | "
                    f"{', '.join(f'{x:.1f}' for x in v['rounds'])} | {v['drafted']} / {v['accepted']} | "
                    f"{v['identical_to_queued']}/{v['compared']} |")
-    if (HERE / "concurrent_kv_streams.json").is_file():  # the same bench, one KV stream per sequence
-        k = _load("concurrent_kv_streams.json")
-        rows = [f"{n} {v['vs_queued']:.2f}" for n, v in k["results"].items() if "/default/" in f"/{n}"]
-        out += ["", f"With a KV stream per sequence in the default mode too ({k['date']}, same command; "
-                "`concurrent_kv_streams.json`), vs queued: " + "; ".join(rows) + ". One unified cache is the "
-                "default mode's layout since; exact mode keeps a stream per sequence (position order of its cells)."]
+    if (HERE / "concurrent_kv_unified.json").is_file():  # the same bench, one unified KV cache
+        k = _load("concurrent_kv_unified.json")
+        rows = [f"{n} {v['vs_queued']:.2f} ({v['tokens_per_s']:.1f} tok/s, identical "
+                f"{v['identical_to_queued']}/{v['compared']})"
+                for n, v in k["results"].items() if "/default/" in f"/{n}"]
+        out += ["", f"With one unified KV cache in the default mode ({k['date']}, same command; "
+                "`concurrent_kv_unified.json`), vs queued: " + "; ".join(rows) + ". A KV stream per "
+                "sequence is the layout since (long prompts, identity with the queue)."]
     return [*out, ""]
 
 

@@ -3,8 +3,8 @@
 On a compute-bound CPU one ``llama_decode`` of R rows costs far less than R decodes of one row
 (measured here: 4 sequences' rows in one batch take 0.5-0.7x the time of their separate decodes),
 so a server with several requests in flight serves them faster together than in turn.  An
-``EngineGroup`` owns a second context on the core's model with one sequence per slot (one KV
-cache; exact mode: a stream each), a sequence engine per slot (its own drafter state: the drafter's weights are
+``EngineGroup`` owns a second context on the core's model with one sequence per slot (a KV
+stream each), a sequence engine per slot (its own drafter state: the drafter's weights are
 shared) and a scheduler thread.  Each scheduler round admits waiting generations into free
 slots (their prefill), then runs ``dflash_engine_step_group``: every active sequence drafts, and
 one decode verifies all their rows.  Adaptive sequences price their rows at what they add to the
@@ -91,7 +91,7 @@ class EngineGroup(_native.Resource):
     """n_seq generations at a time on ``core``'s model, each of up to ``n_ctx`` positions.
 
     cparams: the ``llama_context_params`` (ctypes) the core's own context was created with --
-    copied, with n_seq sequences (one KV cache; exact mode: a stream each).  hold: exclusive use of the model's
+    copied, with n_seq sequences (a KV stream each).  hold: exclusive use of the model's
     native state around each scheduler round (the core's own generations take it too).
     on_done: called with each finished generation's stats (in the scheduler thread, under hold).
     """
@@ -112,13 +112,13 @@ class EngineGroup(_native.Resource):
         cp = type(cparams).from_buffer_copy(cparams)
         cp.n_ctx = n_seq * n_ctx
         cp.n_seq_max = n_seq
-        # One KV cache for every slot keeps a joint batch in one ubatch (with a stream per sequence,
-        # llama.cpp decodes rows beyond the others' as ubatches of their own): measured faster end to
-        # end here (bench/bench_concurrent.py), though a row's attention then spans every slot's
-        # cells (1.6x slower for 8 x 1 rows at 400 positions each).  Exact mode needs a stream per
-        # sequence: in one cache a rolled-back draft's cells go to whichever sequence comes next,
-        # its cells leave position order and attention sums them in another order.
-        cp.kv_unified = core.exact is None
+        # A KV stream per sequence: a row's attention spans its own sequence's cells only (in one cache it
+        # spans every slot's: 1.6x slower for 8 x 1 rows at 400 positions each), its cells stay in
+        # position order (in one cache a rolled-back draft's cells go to whichever sequence comes next,
+        # and attention then sums them in another order: exact mode would break), and its rows round
+        # as they do alone more often.  Joint decodes keep equal rows per sequence (C side) so that
+        # llama.cpp's split by sequence stays one ubatch.  Measured: bench/RESULTS.md, "Concurrent".
+        cp.kv_unified = False
         cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
         cp.cb_eval_user_data = None
         taps = list(core.drafter_info.target_layers) if core.has_drafter else []
