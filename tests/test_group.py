@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_exact import PROMPTS  # the exact-mode prompt kinds: code, prose, JSON, French, repetition, SQL, chat
 
 import llama_dflash
 from llama_dflash import DFlashError
@@ -21,17 +22,6 @@ from llama_dflash.core.engine import EngineRequest
 from llama_dflash.formats.config import DrafterConfig
 
 from models import cached_random_drafter
-
-PROMPTS = [
-    "def binary_search(xs, x):\n",
-    "Write a haiku about autumn rain.",
-    '{"name": "Ada", "languages": [',
-    "Traduis en français : le chat dort sur le canapé.",
-    "one two three one two three one two three",
-    "SELECT name, COUNT(*) FROM users",
-    "The mitochondria is",
-    "<|im_start|>user\nList three prime numbers.<|im_end|>\n<|im_start|>assistant\n",
-]
 
 
 def _concurrently(llm, calls):
