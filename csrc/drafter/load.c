@@ -10,6 +10,9 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#ifdef DFLASH_CUDA
+#include "cuda/dflash_cuda.h"
+#endif
 #include "gguf.h"
 #include "llama.h"
 
@@ -666,6 +669,9 @@ void dflash_drafter_free(dflash_drafter * d) {
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
     free(d->d2t_host);
+#ifdef DFLASH_CUDA
+    dflash_cuda_ctx_free(d->cuda);
+#endif
     free(d);
 }
 

@@ -13,6 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef DFLASH_CUDA
+#include "cuda/dflash_cuda.h"
+#endif
+
 // A sampled draft (T > 0): its temperature, random state and proposal outputs.
 static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q);
 
@@ -122,4 +126,49 @@ int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_
         out_tokens[k] = cand[(size_t) k * K + j];
     }
     return n;
+}
+
+int32_t dflash_cuda_devices(void) {
+#ifdef DFLASH_CUDA
+    return dflash_cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+int32_t dflash_walk_lattice(int32_t on_cuda, const int32_t * cand, const float * scores, int32_t n, int32_t K,
+                            float temperature, uint64_t seed, float p_min, int32_t * out_tokens, float * out_q,
+                            float * out_conf, char * err, size_t err_len) {
+    if (n < 1 || n > DFLASH_MAX_DRAFT || K < 1 || K > 64) {
+        dflash_seterr(err, err_len, "walk_lattice: n %d must be in 1..%d and K %d in 1..64", n, DFLASH_MAX_DRAFT, K);
+        return -1;
+    }
+    struct dflash_rng rng;
+    dflash_rng_seed(&rng, seed);
+    const bool sampled = temperature > 0.0f;
+    if (on_cuda) {
+#ifdef DFLASH_CUDA
+        double u[DFLASH_MAX_DRAFT];
+        for (int32_t k = 0; k < n && sampled; k++) u[k] = dflash_rng_uniform(&rng);
+        struct dflash_cuda_walk_args a = { cand, scores, 1, n, K, sampled ? temperature : 0.0f, sampled ? u : NULL,
+                                           sampled ? 0.0f : p_min, !sampled && out_conf != NULL };
+        int32_t got = 0;
+        if (dflash_cuda_walk_host(&a, out_tokens, &got, out_q, out_conf, err, err_len) != 0) return -1;
+        return got;
+#else
+        dflash_seterr(err, err_len, "this build of llama-dflash has no CUDA (scripts/setup.sh --cuda)");
+        return -1;
+#endif
+    }
+    struct dflash_drafter_info hp;
+    memset(&hp, 0, sizeof(hp));
+    hp.selector_top_k = K;
+    int32_t * c = malloc(sizeof(int32_t) * (size_t) n * K);
+    float * q = out_q ? out_q : malloc(sizeof(float) * (size_t) n * K);
+    struct dflash_sample_req req = { sampled ? temperature : 1.0f, sampled ? &rng : NULL, c, q, K,
+                                     sampled ? 0.0f : p_min, sampled ? NULL : out_conf, 0, NULL };
+    const int32_t got = dflash_walk(&hp, cand, scores, n, out_tokens, &req);
+    free(c);
+    if (q != out_q) free(q);
+    return got;
 }

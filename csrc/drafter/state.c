@@ -99,6 +99,7 @@ int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float
     if (hp->version != 2) return -1;
     const size_t nk = (size_t) st->last_n * hp->selector_top_k;
     if (cand) memcpy(cand, st->last_cand, sizeof(int32_t) * nk);
+    if (scores && st->scores_on_device) return -1; // the walk ran on the device: the scores stayed there
     if (scores) memcpy(scores, st->last_scores, sizeof(float) * nk * hp->selector_top_k);
     return st->last_n;
 }

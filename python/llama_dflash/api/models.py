@@ -31,6 +31,18 @@ def smollm2_q4_1() -> Path:
     return p
 
 
+def smollm2_tokenizer() -> Path:
+    """A GGUF holding SmolLM2's tokenizer keys (for random-weight test and bench models): the file
+    $LLAMA_DFLASH_TOKENIZER_GGUF names (a tokenizer-only GGUF, as scripts/device-prep.sh writes for a
+    machine without the model package), else the default model's."""
+    env = os.environ.get("LLAMA_DFLASH_TOKENIZER_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"LLAMA_DFLASH_TOKENIZER_GGUF={env} does not exist")
+        return Path(env)
+    return smollm2_q4_1()
+
+
 def requantize(src: Path, ftype: str, dst: Path | None = None) -> Path:
     """Requantize a GGUF with llama.cpp's own quantizer (cached by output path)."""
     if ftype not in _FTYPES:

@@ -163,4 +163,34 @@ def _read_lattice(info: DrafterConfig, call) -> tuple[np.ndarray, np.ndarray]:
     cand = np.empty((info.block_size, K), np.int32)
     scores = np.empty((info.block_size, K, K), np.float32)
     n = call(ffi.from_buffer("int32_t[]", cand), ffi.from_buffer("float[]", scores))
+    if n < 0:
+        raise DFlashError("the last draft walked its lattice on the CUDA device: its scores stayed there")
     return cand[:n].copy(), scores[:n].copy()
+
+
+def cuda_devices() -> int:
+    """CUDA devices this build of the core can use (0 in a CPU build or without a device)."""
+    return int(lib.dflash_cuda_devices())
+
+
+def walk_lattice(cand: np.ndarray, scores: np.ndarray, *, temperature: float = 0.0, seed: int = 0,
+                 p_min: float = 0.0, on_cuda: bool = False) -> tuple[list[int], np.ndarray]:
+    """One DFlash2 walk of a lattice (cand [n, K], scores [n, K, K]) by the core's host code or by
+    its CUDA twin (on_cuda): the drafted ids and, sampled (temperature > 0, generator seeded with
+    `seed`), each slot's proposal q [n, K], else greedy (cut at p_min) each slot's confidence [n]."""
+    cand = np.ascontiguousarray(cand, np.int32)
+    scores = np.ascontiguousarray(scores, np.float32)
+    n, K = cand.shape
+    if scores.shape != (n, K, K):
+        raise ValueError(f"scores must be [n, K, K] = [{n}, {K}, {K}], got {list(scores.shape)}")
+    toks = np.zeros(n, np.int32)
+    q = np.zeros((n, K), np.float32)
+    conf = np.zeros(n, np.float32)
+    err = _native.err_buf()
+    got = lib.dflash_walk_lattice(int(on_cuda), ffi.from_buffer("int32_t[]", cand), ffi.from_buffer("float[]", scores),
+                                  n, K, temperature, seed, p_min, ffi.from_buffer("int32_t[]", toks),
+                                  ffi.from_buffer("float[]", q), ffi.from_buffer("float[]", conf), err,
+                                  _native.ERR_LEN)
+    if got < 0:
+        raise DFlashError(_native.err_str(err))
+    return toks[:got].tolist(), (q[:got] if temperature > 0 else conf[:got])
