@@ -1,11 +1,12 @@
 // The DFlash2 selector walk on the device: the twin of dflash_walk (drafter/select.c).
 //
 // A walk is sequential (slot k's row depends on slot k-1's choice) and tiny (K <= 32 scores per
-// slot, n <= 15 slots), so one thread walks one sequence, with the CPU twin's arithmetic in the
-// same order: greedy picks are identical by construction (comparisons only); confidences use
-// double exp as the twin does; sampled picks draw the twin's uniforms, and q differs from it by
-// expf's last-ulp rounding at most.
+// slot, n <= 15 slots), so one thread walks one sequence with the twin's own arithmetic
+// (drafter/walk_math.h): greedy picks are identical by construction (comparisons only); sampled
+// picks draw the twin's uniforms, and q and confidences differ from the host's by the device's
+// exp / expf rounding at most.
 #include "dflash_cuda.h"
+#include "../drafter/walk_math.h"
 
 #include <cuda_runtime.h>
 
@@ -33,39 +34,6 @@ static void set_err(char * err, size_t err_len, const char * what, cudaError_t e
         }                                          \
     } while (0)
 
-__device__ static int32_t choose_greedy(const float * x, int32_t K) {
-    int32_t pick = 0;
-    for (int32_t j = 1; j < K; j++) pick = x[j] > x[pick] ? j : pick;
-    return pick;
-}
-
-__device__ static float softmax_at(const float * x, int32_t K, int32_t j) {
-    float mx = x[0];
-    for (int32_t i = 1; i < K; i++) mx = x[i] > mx ? x[i] : mx;
-    double sum = 0.0;
-    for (int32_t i = 0; i < K; i++) sum += exp((double) x[i] - mx);
-    return (float) (exp((double) x[j] - mx) / sum);
-}
-
-__device__ static int32_t sample_softmax(const float * x, int32_t K, float T, double u, float * q) {
-    float mx = x[0];
-    for (int32_t j = 1; j < K; j++) mx = x[j] > mx ? x[j] : mx;
-    double sum = 0.0;
-    for (int32_t j = 0; j < K; j++) {
-        q[j] = expf((x[j] - mx) / T);
-        sum += q[j];
-    }
-    const double target = u * sum;
-    double c = 0.0;
-    int32_t pick = K - 1;
-    for (int32_t j = 0; j < K; j++) {
-        c += q[j];
-        if (target < c && pick == K - 1) pick = j;
-        q[j] = (float) (q[j] / sum);
-    }
-    return pick;
-}
-
 __global__ static void walk_kernel(const int32_t * cand, const float * scores, int32_t n, int32_t K, float T,
                                    const double * u, float p_min, int want_conf, int32_t * tokens, int32_t * n_out,
                                    float * q, float * conf) {
@@ -77,11 +45,11 @@ __global__ static void walk_kernel(const int32_t * cand, const float * scores, i
         const float * row = sc + ((size_t) k * K + prev) * K;
         int32_t best;
         if (T > 0.0f) {
-            best = sample_softmax(row, K, T, u[(size_t) s * n + k], q + ((size_t) s * n + k) * K);
+            best = dflash_sample_k(row, K, T, u[(size_t) s * n + k], q + ((size_t) s * n + k) * K);
         } else {
-            best = choose_greedy(row, K);
+            best = dflash_argmax_k(row, K);
             if (p_min > 0.0f || want_conf) {
-                const float cf = softmax_at(row, K, best);
+                const float cf = dflash_softmax_at_k(row, K, best);
                 if (cf < p_min) break;
                 if (want_conf) conf[(size_t) s * n + k] = cf;
             }

@@ -107,7 +107,6 @@ struct dflash_sample_req {
 };
 
 int32_t dflash_choose(const float * x, const int32_t * c, int32_t k, struct dflash_sample_req * samp, float * q);
-float   dflash_softmax_at(const float * x, int32_t k, int32_t j);
 int32_t dflash_walk(const struct dflash_drafter_info * hp, const int32_t * cand, const float * scores, int32_t n,
                     int32_t * out_tokens, struct dflash_sample_req * samp);
 int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_t K, int32_t * out_tokens,

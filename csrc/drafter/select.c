@@ -4,6 +4,7 @@
 #include "drafter.h"
 
 #include "common.h"
+#include "walk_math.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -16,9 +17,6 @@
 #ifdef DFLASH_CUDA
 #include "cuda/dflash_cuda.h"
 #endif
-
-// A sampled draft (T > 0): its temperature, random state and proposal outputs.
-static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q);
 
 
 // The slot's choice among its k candidates x[0..k) (ids c) under the filter: greedy takes
@@ -47,42 +45,9 @@ int32_t dflash_choose(const float * x, const int32_t * c, int32_t k, struct dfla
         if (best != top) f->n_skipped++;
         row = masked;
     }
-    int32_t pick = 0;
-    if (samp && samp->rng) {
-        pick = sample_softmax(row, k, samp->temperature, samp->rng, q);
-    } else {
-        for (int32_t j = 1; j < k; j++) pick = row[j] > row[pick] ? j : pick;
-    }
+    const int32_t pick = samp && samp->rng ? dflash_sample_k(row, k, samp->temperature, dflash_rng_uniform(samp->rng), q)
+                                           : dflash_argmax_k(row, k);
     if (f) f->accept(f->ud, c[pick]);
-    return pick;
-}
-
-// Softmax probability of x[j] among x[0..k) at temperature 1.
-float dflash_softmax_at(const float * x, int32_t k, int32_t j) {
-    float mx = x[0];
-    for (int32_t i = 1; i < k; i++) mx = x[i] > mx ? x[i] : mx;
-    double sum = 0.0;
-    for (int32_t i = 0; i < k; i++) sum += exp((double) x[i] - mx);
-    return (float) (exp((double) x[j] - mx) / sum);
-}
-
-// Sample index j ~ softmax(x / T) over x[0..k); q receives the probabilities.
-static int32_t sample_softmax(const float * x, int32_t k, float T, struct dflash_rng * rng, float * q) {
-    float mx = x[0];
-    for (int32_t j = 1; j < k; j++) mx = x[j] > mx ? x[j] : mx;
-    double sum = 0.0;
-    for (int32_t j = 0; j < k; j++) {
-        q[j] = expf((x[j] - mx) / T);
-        sum += q[j];
-    }
-    const double u = dflash_rng_uniform(rng) * sum;
-    double c = 0.0;
-    int32_t pick = k - 1;
-    for (int32_t j = 0; j < k; j++) {
-        c += q[j];
-        if (u < c && pick == k - 1) pick = j;
-        q[j] = (float) (q[j] / sum);
-    }
     return pick;
 }
 
@@ -100,7 +65,7 @@ int32_t dflash_walk(const struct dflash_drafter_info * hp, const int32_t * cand,
         if (samp && samp->rng) {
             memcpy(samp->cand + (size_t) k * K, cand + (size_t) k * K, sizeof(int32_t) * K);
         } else if (samp && (samp->p_min > 0.0f || samp->conf)) {
-            const float c = dflash_softmax_at(row, K, best);
+            const float c = dflash_softmax_at_k(row, K, best);
             if (c < samp->p_min) return k;
             if (samp->conf) samp->conf[k] = c;
         }
@@ -119,7 +84,7 @@ int32_t dflash_choose_v1(const float * logits, int32_t * cand, int32_t n, int32_
         const int32_t j = dflash_choose(x, cand + (size_t) k * K, K, samp, samp->q + (size_t) k * K);
         if (j < 0) return k;
         if (!samp->rng && (samp->p_min > 0.0f || samp->conf)) {
-            const float c = dflash_softmax_at(x, K, j);
+            const float c = dflash_softmax_at_k(x, K, j);
             if (c < samp->p_min) return k;
             if (samp->conf) samp->conf[k] = c;
         }
