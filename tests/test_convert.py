@@ -391,3 +391,25 @@ def test_shard_index_cannot_point_outside_the_checkpoint(artifacts, tmp_path, sh
         index.write_text(json.dumps(data))
     with pytest.raises(ConvertError, match=re.escape(message)):
         convert_hf_to_gguf(hf_dir, artifacts["llama"]["target"], tmp_path / "out.gguf", outtype="f32")
+
+
+def test_speculators_schema_round_trip(artifacts, tmp_path):
+    """`convert --speculators` writes vLLM speculators' schema (taps as hidden-state indices, the
+    transformer fields nested), and that checkpoint converts to the same GGUF as the original."""
+    a = artifacts["llama"]
+    hf, _, _ = make_variant(tmp_path, "v2")
+    r = run_cli("convert", str(hf), "--target", a["target"], "--speculators", str(tmp_path / "spec"))
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash2" and cfg["aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert cfg["transformer_layer_config"]["hidden_size"] == 64 and cfg["selector_top_k"] == 4
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    convert_hf_to_gguf(hf, a["target"], one, outtype="f32")
+    convert_hf_to_gguf(tmp_path / "spec", a["target"], two, outtype="f32")
+    assert read_drafter_config(one) == read_drafter_config(two)
+    t1, t2 = read_tensors(one), read_tensors(two)
+    assert t1.keys() == t2.keys() and all(np.array_equal(t1[k], t2[k]) for k in t1)
+    cfg["aux_hidden_state_layer_ids"] = [0, 2]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match="embeddings"):
+        convert_hf_to_gguf(tmp_path / "spec", a["target"], tmp_path / "bad.gguf")

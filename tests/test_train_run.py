@@ -53,6 +53,11 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     cfg = json.loads((out / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 8
     assert (out / "hf" / "model.safetensors").is_file() and (out / "ckpt-tune.pt").is_file()
+    # the same weights in vLLM speculators' schema (tests/test_speculators.py loads that schema in speculators)
+    spec = json.loads((out / "speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "dflash2" and spec["block_size"] == 8
+    assert spec["aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+    assert (out / "speculators" / "model.safetensors").read_bytes() == (out / "hf" / "model.safetensors").read_bytes()
     # the exported weights are the tuned ones (the v2 stage's differ)
     tuned = torch.load(out / "ckpt-tune.pt", weights_only=False)["model"]
     v2 = torch.load(out / "ckpt-v2.pt", weights_only=False)["model"]

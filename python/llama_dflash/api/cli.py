@@ -275,6 +275,12 @@ def cmd_train(a: argparse.Namespace) -> int:
 def cmd_convert(a: argparse.Namespace) -> int:
     from ..formats import convert_hf_to_gguf
 
+    if a.speculators:
+        from ..formats.hf import write_speculators
+
+        print(f"wrote {write_speculators(a.hf_dir, a.target, a.speculators, verifier=a.verifier)} "
+              "(speculators' schema)")
+        return 0
     res = convert_hf_to_gguf(a.hf_dir, a.target, a.outfile, outtype=a.outtype, progress=True)
     print(f"wrote {res['outfile']}: DFlash{'2' if res['version'] == 2 else ''} drafter, {res['tensors']} tensors, "
           f"{res['bytes'] / 2**20:.1f} MiB ({res['outtype']})")
@@ -496,10 +502,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)
-    c = sub.add_parser("convert", help="HF DFlash/DFlash2 checkpoint -> GGUF drafter")
+    c = sub.add_parser("convert", help="HF DFlash/DFlash2 checkpoint (z-lab's or speculators' schema) -> GGUF "
+                                       "drafter, or -> a speculators checkpoint (--speculators)")
     c.add_argument("hf_dir")
     c.add_argument("--target", required=True, help="the target model's GGUF, or its HF directory (vocabulary, sizes)")
-    c.add_argument("--outfile", required=True)
+    out = c.add_mutually_exclusive_group(required=True)
+    out.add_argument("--outfile", help="the GGUF drafter to write")
+    out.add_argument("--speculators", metavar="DIR", help="write a checkpoint in vLLM speculators' schema instead")
+    c.add_argument("--verifier", help="with --speculators: the verifier's name or path to record (default: --target)")
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     c.add_argument("--verbose", action="store_true")
     c.set_defaults(func=cmd_convert)

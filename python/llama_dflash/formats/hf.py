@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,11 +135,110 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
     return [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
-def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[DrafterConfig, int]:
-    """config.json (any published schema) -> (DrafterConfig, DFlash version)."""
+SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+
+
+def _from_speculators(cfg: dict, cfg_path: Path) -> dict:
+    """A checkpoint saved by vLLM's speculators (``speculators_model_type`` dflash / dflash2: the
+    draft transformer's fields nested in ``transformer_layer_config``, DFlash fields at the top,
+    feature taps as hidden-state indices, 0 = the embeddings) in the z-lab schema read below."""
 
     def fail(field: str, msg: str):
         raise ConvertError(f"{cfg_path}: {field}: {msg}")
+
+    kind = cfg["speculators_model_type"]
+    if kind not in SPECULATORS_TYPES:
+        fail("speculators_model_type", f"{kind!r} is not a DFlash drafter "
+                                       f"(expected one of {sorted(SPECULATORS_TYPES)})")
+    tl = cfg.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        fail("transformer_layer_config", "missing or not an object")
+    out = {k: v for k, v in tl.items() if k not in ("architectures", "dflash_config")}
+    out["architectures"] = [SPECULATORS_TYPES[kind]]
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        fail("aux_hidden_state_layer_ids", f"{aux!r} is not a list of hidden-state indices")
+    if 0 in aux:
+        fail("aux_hidden_state_layer_ids", "index 0 (the embeddings) is not a layer output the capture can tap")
+    dc = {"block_size": cfg.get("block_size"), "mask_token_id": cfg.get("mask_token_id"),
+          "target_layer_ids": [i - 1 for i in aux], "sample_from_anchor": cfg.get("sample_from_anchor", False)}
+    for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if k in cfg:
+            dc[k] = cfg[k]
+    swa = tl.get("use_sliding_window") or "sliding_attention" in (tl.get("layer_types") or [])
+    if swa and cfg.get("sliding_window_non_causal") is False:
+        fail("sliding_window_non_causal", "causal sliding-window blocks are not supported")
+    out["is_causal"] = False  # speculators' blocks attend both ways
+    out["dflash_config"] = dc
+    if cfg.get("draft_vocab_size") is not None:
+        out["draft_vocab_size"] = cfg["draft_vocab_size"]
+    return out
+
+
+def speculators_config(c: DrafterConfig, verifier: str, verifier_architectures: list[str]) -> dict:
+    """config.json of a drafter in speculators' schema (what ``DFlash2DraftModel.from_pretrained``
+    reads and vLLM serves); the weights keep their names (the format table's HF names)."""
+    if c.n_swa or c.causal or c.rope_scaling != "none" or c.embedding_scale != 1.0 or c.logit_scale != 1.0 \
+            or c.softcap:
+        raise ConvertError("speculators' DFlash models have no sliding windows, causal blocks, RoPE scaling or "
+                           "logit / embedding scales: this drafter cannot be written in its schema")
+    tl = {"model_type": "qwen3", "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
+          "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head_kv, "head_dim": c.head_dim,
+          "intermediate_size": c.n_ff, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": c.rms_eps,
+          "vocab_size": c.n_vocab, "max_position_embeddings": c.n_ctx_train,
+          "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+          "layer_types": ["full_attention"] * c.n_layer, "use_sliding_window": False, "sliding_window": None,
+          "tie_word_embeddings": False}
+    kind = "dflash2" if c.is_v2 else "dflash"
+    out = {"architectures": [SPECULATORS_TYPES[kind]], "speculators_model_type": kind,
+           "transformer_layer_config": tl, "draft_vocab_size": c.n_vocab_draft or c.n_vocab,
+           "block_size": c.block_size, "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layers],
+           "mask_token_id": c.mask_token_id, "sample_from_anchor": False, "sliding_window_non_causal": True,
+           "target_hidden_size": None, "tie_word_embeddings": False,
+           "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": c.block_size - 1}],
+                                  "verifier": {"name_or_path": verifier, "architectures": verifier_architectures}}}
+    if c.is_v2:
+        out.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                   selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
+    return out
+
+
+def write_speculators(hf_dir: str | os.PathLike, target: str | os.PathLike, out_dir: str | os.PathLike,
+                      verifier: str | None = None) -> Path:
+    """A HF drafter directory (any schema the converter reads) as a speculators checkpoint: its
+    config in speculators' schema beside the same weights.  verifier: the name or path recorded as
+    the verifier (default: the target's path)."""
+    d, out = Path(hf_dir), Path(out_dir)
+    cfg_path = d / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{cfg_path}: {e}") from None
+    t = read_target(target)
+    c, _ = parse_config(raw, cfg_path, t)
+    if raw.get("draft_vocab_size") not in (None, t.n_vocab):
+        raise ConvertError(f"{cfg_path}: a reduced draft vocabulary is not written in speculators' schema here")
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM"}.get(t.arch, t.arch)
+    spec = speculators_config(c, verifier or str(t.path), [arch])
+    out.mkdir(parents=True, exist_ok=True)
+    for f in d.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json"):
+            shutil.copyfile(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(spec, indent=1))
+    return out
+
+
+def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[DrafterConfig, int]:
+    """config.json (any published schema, speculators' too) -> (DrafterConfig, DFlash version)."""
+
+    def fail(field: str, msg: str):
+        raise ConvertError(f"{cfg_path}: {field}: {msg}")
+
+    if "speculators_model_type" in cfg:
+        cfg = _from_speculators(cfg, cfg_path)
 
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
@@ -178,7 +278,8 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     if cfg.get("attention_bias"):
         fail("attention_bias", "attention biases are not supported by DFlash drafters in llama.cpp")
     if dc.get("sample_from_anchor"):
-        fail("dflash_config.sample_from_anchor", "DSpark-style layouts are not DFlash")
+        fail("dflash_config.sample_from_anchor", "anchor-predicting layouts (sample_from_anchor: true) are not "
+                                                 "supported yet")
     if cfg.get("rope_is_neox_style") is False:
         fail("rope_is_neox_style", "interleaved rope checkpoints are not supported")
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..formats.gguf import DrafterConfig, read_tensors
-from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target
+from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target, write_speculators
 from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses
@@ -331,6 +331,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         summary_path.write_text(json.dumps(summary, indent=1))
 
     hf_dir = stage("export", lambda: export_hf(model, tinfo, out / "hf"))
+    stage("speculators", lambda: write_speculators(hf_dir, spec.target, out / "speculators"))  # vLLM's schema
     gguf = out / "drafter.gguf"
     full = out / "drafter-fullvocab.gguf" if reduce else gguf
     conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, full, outtype=spec.outtype))
