@@ -70,6 +70,8 @@ struct dflash_drafter_info {
     float   embedding_scale;
     float   logit_scale;
     float   softcap;
+    int32_t sample_from_anchor; /* the anchor's slot predicts too: block_size drafted tokens per
+                                   block instead of block_size - 1 (speculators' layout) */
     /* DFlash2 (zero for DFlash v1) */
     int32_t conv_kernel_size;
     int32_t conv_group_size;

@@ -50,6 +50,7 @@
     X(embedding_scale,  "dflash.embedding_scale",                        F32,      OPT, 1.0f,                       NONDEF) \
     X(logit_scale,      "dflash.logit_scale",                            F32,      OPT, 1.0f,                       NONDEF) \
     X(softcap,          "dflash.final_logit_softcapping",                F32,      OPT, 0.0f,                       NONDEF) \
+    X(sample_from_anchor, "dflash.sample_from_anchor",                   BOOL,     OPT, 0,                          NONDEF) \
     X(conv_kernel_size, "dflash.conv_kernel_size",                       U32,      V2,  0,                          V2) \
     X(conv_group_size,  "dflash.conv_group_size",                        U32,      V2,  0,                          V2) \
     X(selector_rank,    "dflash.selector_rank",                          U32,      V2,  0,                          V2) \
@@ -67,7 +68,6 @@
 /* Keys of layouts we do not run: refused unless absent or equal to `allowed`
  * (type ANY: refused whenever present).  X(key, type, allowed, what) */
 #define DFLASH_GGUF_REFUSED(X) \
-    X("dflash.sample_from_anchor",                    BOOL, 0, "the DSpark layout (sample_from_anchor)") \
     X("dflash.attention.value_scale",                 F32,  1, "attention value scaling") \
     X("dflash.rope.scaling.yarn_log_multiplier",      F32,  0, "YaRN with yarn_log_multiplier") \
     X("dflash.hidden_activation",                     ANY,  0, "Gemma-style drafters (hidden_activation)") \

@@ -141,7 +141,6 @@ BAD = {
     "rope_dynamic": ({"keys": {"dflash.rope.scaling.type": ("dynamic", STR, None)}}, "'dynamic' is not supported"),
     "rope_factor_negative": ({"keys": {"dflash.rope.scaling.type": ("linear", STR, None),
                                        "dflash.rope.scaling.factor": (-2.0, F32, None)}}, "needs a positive"),
-    "dspark_key": ({"keys": {"dflash.sample_from_anchor": (True, BOOL, None)}}, "DSpark layout"),
     "gemma_key": ({"keys": {"dflash.hidden_activation": ("gelu", STR, None)}}, "Gemma-style"),
     "eps_as_int": ({"keys": {"dflash.attention.layer_norm_rms_epsilon": (1, U32, None)}}, "expected a float"),
     "norm_f16": ({"tensor_f16": ["blk.0.attn_norm.weight"]}, "'blk.0.attn_norm.weight' has type f16, expected f32"),

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 
 from llama_dflash.core.drafter import Drafter
 from llama_dflash.formats import convert_hf_to_gguf
-from llama_dflash.formats.hf import ConvertError, write_speculators
+from llama_dflash.formats.hf import write_speculators
 
 from hf_fixtures import make_variant
 
@@ -61,6 +61,11 @@ def _speculators_block(model, feats: np.ndarray, anchor_pos: int, anchor: int):
     return logits[0].numpy(), hidden[0]
 
 
+def _skip(model) -> int:
+    """Block rows that predict nothing: the anchor's, unless sample_from_anchor."""
+    return 0 if model.config.sample_from_anchor else 1
+
+
 def _speculators_lattice(model, logits: np.ndarray, hidden, anchor: int):
     """Our lattice's definition through speculators' selector: slot k's top-K candidates and their
     scores after each candidate of slot k-1 (slot 0: after the anchor)."""
@@ -69,9 +74,9 @@ def _speculators_lattice(model, logits: np.ndarray, hidden, anchor: int):
     sel = model.candidate_selector
     lg = torch.from_numpy(logits)
     cands, scores = [], []
-    for p in range(1, lg.shape[0]):
+    for p in range(_skip(model), lg.shape[0]):
         cand = lg[p].topk(sel.top_k).indices
-        preds = torch.full((sel.top_k,), anchor) if p == 1 else cands[-1]
+        preds = torch.full((sel.top_k,), anchor) if not cands else cands[-1]
         with torch.no_grad():
             s = sel.score_candidates(lg[p].expand(sel.top_k, -1), hidden[p].expand(sel.top_k, -1), preds,
                                      cand.expand(sel.top_k, -1))
@@ -81,21 +86,21 @@ def _speculators_lattice(model, logits: np.ndarray, hidden, anchor: int):
 
 
 def _compare(ours: Drafter, model, feats: np.ndarray, rng) -> int:
-    B = ours.info.block_size
+    n, skip = ours.info.max_draft, _skip(model)
     compared = 0
     pushed = 0
     for anchor_pos in (5, 23, 60):
         ours.push(feats[pushed:anchor_pos])
         pushed = anchor_pos
         anchor = int(rng.integers(20, 1000))
-        _, logits = ours.draft(anchor, B - 1, return_logits=True)
+        _, logits = ours.draft(anchor, n, return_logits=True)
         cand, scores = ours.last_lattice()
         theirs, hidden = _speculators_block(model, feats, anchor_pos, anchor)
-        assert np.abs(logits - theirs[1:]).max() < TOL * max(1.0, np.abs(theirs).max())
+        assert np.abs(logits - theirs[skip:]).max() < TOL * max(1.0, np.abs(theirs).max())
         tc, ts = _speculators_lattice(model, theirs, hidden, anchor)
         K = ours.info.selector_top_k
-        for k in range(B - 1):
-            top = np.sort(theirs[k + 1])[::-1]
+        for k in range(n):
+            top = np.sort(theirs[k + skip])[::-1]
             if top[K - 1] - top[K] < 1e-3:
                 continue  # a near-tie at the K-th candidate: the sets may differ
             assert set(cand[k].tolist()) == set(tc[k].tolist()), k
@@ -151,11 +156,50 @@ def test_speculators_checkpoint_converts_and_drafts_the_same(artifacts, load_mod
         assert ia == ib and np.array_equal(la, lb)
     da.close()
     db.close()
-    # and an anchor-predicting layout is refused by name
+
+
+def test_sample_from_anchor_layout(artifacts, load_model, tmp_path):
+    """speculators' sample_from_anchor: the anchor's slot predicts too, block_size tokens per block.
+    Converted, our C drafter and the PyTorch reference give speculators' logits and lattice."""
     import json
 
-    cfg = json.loads((saved / "config.json").read_text())
+    import torch
+
+    from llama_dflash.verify.reference import DFlashReference
+
+    target = artifacts["llama"]["target"]
+    hf, _, _ = make_variant(tmp_path, "v2")
+    spec = write_speculators(hf, target, tmp_path / "speculators")
+    cfg = json.loads((spec / "config.json").read_text())
     cfg["sample_from_anchor"] = True
-    (saved / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match="sample_from_anchor"):
-        convert_hf_to_gguf(saved, target, tmp_path / "c.gguf")
+    (spec / "config.json").write_text(json.dumps(cfg))
+    model, _ = _load_speculators(spec, target)
+    assert model.config.sample_from_anchor
+    gguf = tmp_path / "saf.gguf"
+    convert_hf_to_gguf(spec, target, gguf, outtype="f32")
+    ours = Drafter(gguf, load_model(target), n_ctx=256, n_threads=2)
+    assert ours.info.sample_from_anchor and ours.info.max_draft == ours.info.block_size == 8
+    feats = np.random.default_rng(6).standard_normal((80, 3 * 64)).astype(np.float32)
+    assert _compare(ours, model, feats, np.random.default_rng(7)) >= 10
+    # the reference drafts all 8 slots too, and our write-back keeps the layout
+    ref = DFlashReference.from_gguf(gguf)
+    emb = torch.from_numpy(np.array(GGUFReader(target).get_tensor(0).data, np.float32))
+    blk = torch.tensor([77] + [ours.info.mask_token_id] * 7)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(feats[:60]), blk, emb, emb).numpy()
+    fresh = Drafter(gguf, load_model(target), n_ctx=256, n_threads=2)
+    fresh.push(feats[:60])
+    _, got = fresh.draft(77, 8, return_logits=True)
+    assert want.shape == got.shape == (8, emb.shape[0])
+    assert np.abs(got - want).max() < TOL * max(1.0, np.abs(want).max())
+    assert json.loads((write_speculators(spec, target, tmp_path / "again") / "config.json").read_text())[
+        "sample_from_anchor"] is True
+    fresh.close()
+    ours.close()
+    # and the loop drafts whole blocks with it: 8 tokens per step, 9 verify rows
+    from llama_dflash import SpeculativeGenerator
+
+    with SpeculativeGenerator(target, gguf, n_ctx=256) as g:
+        assert g.max_draft_len == 8
+        r = g.generate(g.tokenize("Once upon a time"), 40, draft_len=8, stop_on_eos=False)
+        assert r.stats.draft_len == 8 and len(r.stats.per_position_drafted) == 8 and r.stats.drafted >= 8

@@ -62,8 +62,8 @@ static int32_t walk_on_device(struct dflash_drafter * d, const struct dflash_gra
 #endif
 
 // Run one graph over n_seq states: inject their pending rows (which become cached)
-// and, if n_block > 0, draft n_block - 1 tokens after each anchor.  out_tokens /
-// out_logits hold n_seq consecutive rows of n_block - 1.  samp (one state only)
+// and, if n_block > 0, draft the tokens of blocks of n_block rows after each anchor (n_block - 1,
+// or n_block with sample_from_anchor).  out_tokens / out_logits hold n_seq consecutive rows of them.  samp (one state only)
 // requests sampling or a p_min cut-off.
 int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, int32_t n_seq,
                          const int32_t * anchors, int32_t n_block, int32_t * out_tokens, float * out_logits,
@@ -128,7 +128,7 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         sts[s]->n_cached += sts[s]->n_pending;
         sts[s]->n_pending = 0;
     }
-    const int32_t n = n_block - 1;
+    const int32_t n = n_block - (hp->sample_from_anchor ? 0 : 1);
     int32_t walked = 0;
 #ifdef DFLASH_CUDA
     if (n_block > 0 && hp->version == 2) walked = walk_on_device(d, &G, sts, n_seq, n, out_tokens, samp, err, err_len);
@@ -195,17 +195,18 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
 
 static bool check_draft_args(const dflash_state * st, int32_t anchor, int32_t n, char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &st->d->hp;
-    if (n < 1 || n > hp->block_size - 1) {
-        dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, hp->block_size - 1, hp->block_size);
+    const int32_t n_max = hp->block_size - (hp->sample_from_anchor ? 0 : 1);
+    if (n < 1 || n > n_max) {
+        dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, n_max, hp->block_size);
         return false;
     }
     if (anchor < 0 || anchor >= hp->n_vocab) {
         dflash_seterr(err, err_len, "anchor token %d is outside the vocabulary", anchor);
         return false;
     }
-    if (st->n_cached + st->n_pending + n + 1 > hp->n_ctx) {
+    if (st->n_cached + st->n_pending + dflash_block_rows(hp, n) > hp->n_ctx) {
         dflash_seterr(err, err_len, "drafter context overflow: %d positions + block %d exceed n_ctx %d",
-                      st->n_cached + st->n_pending, n + 1, hp->n_ctx);
+                      st->n_cached + st->n_pending, dflash_block_rows(hp, n), hp->n_ctx);
         return false;
     }
     return true;
@@ -230,7 +231,7 @@ int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, i
         }
         if (!check_draft_args(states[s], anchors[s], n, err, err_len)) return -1;
     }
-    return dflash_run_graph(d, states, n_seq, anchors, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+    return dflash_run_graph(d, states, n_seq, anchors, dflash_block_rows(&d->hp, n), out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
 }
 
 // ---- drafts of one state (the drafter's own: the single-sequence API) -----------
@@ -241,14 +242,14 @@ int32_t dflash_state_draft(dflash_state * st, int32_t anchor, int32_t n, float p
     struct dflash_drafter * d = st->d;
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     if (!(p_min > 0.0f) && !filter && !out_conf) {
-        return dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+        return dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
     }
     // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
     const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
     int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
     float * q = malloc(sizeof(float) * (size_t) n * K);
     struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, out_conf, 0, filter };
-    const int32_t rc = dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, out_logits, &req, err, err_len);
+    const int32_t rc = dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, out_logits, &req, err, err_len);
     free(cand);
     free(q);
     return rc ? -1 : req.n_out;
@@ -271,7 +272,7 @@ int32_t dflash_state_draft_sample(dflash_state * st, int32_t anchor, int32_t n, 
     }
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, NULL, 0, filter };
-    if (dflash_run_graph(d, &st, 1, &anchor, n + 1, out_tokens, NULL, &req, err, err_len) != 0) return -1;
+    if (dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return req.n_out;
 }

@@ -76,6 +76,12 @@ struct dflash_drafter {
     struct dflash_cuda_ctx * cuda; // the device walk's scratch (CUDA builds, CUDA targets)
 };
 
+// Block rows of a draft of n tokens: the anchor and n - 1 masks when the anchor's slot predicts
+// (sample_from_anchor), else the anchor and n masks.
+static inline int32_t dflash_block_rows(const struct dflash_drafter_info * hp, int32_t n) {
+    return n + (hp->sample_from_anchor ? 0 : 1);
+}
+
 // graph.c: one graph over n_seq states (inputs named in struct dflash_graph).
 struct dflash_graph {
     struct ggml_context * ctx;

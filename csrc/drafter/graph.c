@@ -246,9 +246,9 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         h = ggml_add(ctx, h, m);
     }
 
-    // Slot 0 (the anchor) of every block predicts nothing: drop it before the head.
-    const int64_t n = B - 1;
-    struct ggml_tensor * z = ggml_view_3d(ctx, h, hp->n_embd, n, n_seq, h->nb[1], h->nb[1] * B, h->nb[1]);
+    // Slot 0 (the anchor) of every block predicts nothing (unless sample_from_anchor): drop it before the head.
+    const int64_t skip = hp->sample_from_anchor ? 0 : 1, n = B - skip;
+    struct ggml_tensor * z = ggml_view_3d(ctx, h, hp->n_embd, n, n_seq, h->nb[1], h->nb[1] * B, h->nb[1] * skip);
     z = ggml_reshape_2d(ctx, ggml_cont(ctx, z), hp->n_embd, n * n_seq);
     z = rms(ctx, z, d->w.out_norm, hp->rms_eps);
     struct ggml_tensor * logits = ggml_mul_mat(ctx, d->w.head, z); // [n_vocab_draft, n * n_seq]

@@ -234,7 +234,7 @@ class EngineCore(_native.Resource):
     def max_draft_len(self) -> int:
         """Longest draft: the drafter's block - 1 (without a drafter, the core's limit); in exact
         mode at most the largest batch the self-check found invariant, minus its anchor row."""
-        n = self.drafter_info.block_size - 1 if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+        n = self.drafter_info.max_draft if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
         return min(n, self.exact.max_rows - 1) if self.exact is not None else n
 
     @property

@@ -66,6 +66,8 @@ class DrafterConfig:
     embedding_scale: float = _default("embedding_scale")
     logit_scale: float = _default("logit_scale")
     softcap: float = _default("softcap")
+    # the anchor's slot predicts too (speculators' sample_from_anchor): block_size tokens per block
+    sample_from_anchor: bool = _default("sample_from_anchor")
     # DFlash2 (0 = absent)
     conv_kernel_size: int = _default("conv_kernel_size")
     conv_group_size: int = _default("conv_group_size")
@@ -84,6 +86,11 @@ class DrafterConfig:
     def is_swa(self, il: int) -> bool:
         """Does layer il use the sliding window (every layer when no pattern is given)?"""
         return self.n_swa > 0 and (not self.swa_layers or bool(self.swa_layers[il]))
+
+    @property
+    def max_draft(self) -> int:
+        """Tokens one block drafts: block_size - 1, or block_size when the anchor's slot predicts."""
+        return self.block_size - (0 if self.sample_from_anchor else 1)
 
     @property
     def is_v2(self) -> bool:

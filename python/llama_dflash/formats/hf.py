@@ -193,11 +193,12 @@ def speculators_config(c: DrafterConfig, verifier: str, verifier_architectures: 
     out = {"architectures": [SPECULATORS_TYPES[kind]], "speculators_model_type": kind,
            "transformer_layer_config": tl, "draft_vocab_size": c.n_vocab_draft or c.n_vocab,
            "block_size": c.block_size, "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layers],
-           "mask_token_id": c.mask_token_id, "sample_from_anchor": False, "sliding_window_non_causal": True,
+           "mask_token_id": c.mask_token_id, "sample_from_anchor": c.sample_from_anchor,
+           "sliding_window_non_causal": True,
            "target_hidden_size": None, "tie_word_embeddings": False,
            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy",
-                                                        "speculative_tokens": c.block_size - 1}],
+                                                        "speculative_tokens": c.max_draft}],
                                   "verifier": {"name_or_path": verifier, "architectures": verifier_architectures}}}
     if c.is_v2:
         out.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
@@ -277,9 +278,6 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         fail("hidden_act", f"{cfg['hidden_act']!r} is not supported (silu)")
     if cfg.get("attention_bias"):
         fail("attention_bias", "attention biases are not supported by DFlash drafters in llama.cpp")
-    if dc.get("sample_from_anchor"):
-        fail("dflash_config.sample_from_anchor", "anchor-predicting layouts (sample_from_anchor: true) are not "
-                                                 "supported yet")
     if cfg.get("rope_is_neox_style") is False:
         fail("rope_is_neox_style", "interleaved rope checkpoints are not supported")
 
@@ -358,6 +356,7 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         softcap=num("final_logit_softcapping", softcap, 0.0),
         n_ctx_train=num("max_position_embeddings", cfg.get("max_position_embeddings"), 32768, int),
         rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [], n_vocab=target.n_vocab,
+        sample_from_anchor=bool(dc.get("sample_from_anchor", False)),
     )
     if rtype != "default":
         out.rope_scaling = rtype

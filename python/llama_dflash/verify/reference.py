@@ -232,7 +232,8 @@ class DFlashReference(nn.Module):
         return torch.zeros(vis.shape).masked_fill(~vis, float("-inf"))
 
     def hidden(self, features: torch.Tensor, block_tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """Final-normed states [B-1, H] of slots 1..B-1."""
+        """Final-normed states of the predicting slots: 1..B-1 ([B-1, H]), or all B with
+        sample_from_anchor."""
         c = self.cfg
         n_ctx, n_block = features.shape[0], block_tokens.shape[0]
         ctx = self.hidden_norm(self.fc(features))
@@ -241,7 +242,7 @@ class DFlashReference(nn.Module):
         h = embed[block_tokens] * c.embedding_scale
         for il, layer in enumerate(self.layers):
             h = layer(h, ctx, ctx_pos, pos, self._mask(n_ctx, n_block, il))
-        return self.norm(h[1:])
+        return self.norm(h if c.sample_from_anchor else h[1:])
 
     draft_head: torch.Tensor | None = None  # reduced vocabulary: own head rows [V_draft, H] ...
     d2t: torch.Tensor | None = None         # ... and their target ids [V_draft]
@@ -264,7 +265,8 @@ class DFlashReference(nn.Module):
                 head: torch.Tensor) -> torch.Tensor:
         """features [N, n_taps*H] of positions 0..N-1; block_tokens [B] at positions N..N+B-1.
 
-        Returns the logits [B-1, V] of slots 1..B-1 (after logit scale / softcap).
+        Returns the logits [B-1, V] of slots 1..B-1 ([B, V] with sample_from_anchor; after logit
+        scale / softcap).
         """
         return self.logits(self.hidden(features, block_tokens, embed), head)
 
