@@ -4,6 +4,9 @@ Interleaved prompt by prompt in one run (machine noise hits every configuration 
 default model and the shipped drafter, greedy and T = 0.7 (match verification, one seed per prompt):
   - llama-cpp-python plain (llama_cpp.Llama.generate) and its prompt-lookup drafter
     (LlamaPromptLookupDecoding, num_pred_tokens 10);
+  - with --upstream: upstream llama.cpp's own DFlash loop (llama-speculative-simple --spec-type
+    draft-dflash, built from the same llama.cpp by bench/build-upstream.sh) on the same two files,
+    greedy, n = 3 and n_max: its own decode speed and acceptance, from its log;
   - our loop plain, fixed n (--fixed), and adaptive (speculation "auto", the default);
   - the ceiling: an oracle length policy that drafts exactly the tokens the drafter gets accepted
     (from the run at n_max) and pays the cost model's times -- the best any length policy can do
@@ -17,7 +20,7 @@ per-slot acceptance 0.3 / 0.5 / 0.7 / 0.9 (fixed n = 3, 7 and adaptive): the cos
 draft + verify time against the measured one, and where speculation starts to pay.
 
 Usage: python3 bench/bench_adaptive.py [--parts sets,replay] [--problems 20] [--prose 20] [--tokens 128]
-                                       [--fixed 1,2,3,5,7] [--out bench/results/adaptive.json]
+                                       [--fixed 1,2,3,5,7] [--upstream] [--out bench/results/adaptive.json]
 """
 
 from __future__ import annotations
@@ -112,8 +115,41 @@ class Agg:
         return out
 
 
+class Upstream:
+    """Upstream's DFlash loop as a peer: one llama-speculative-simple process per prompt."""
+
+    def __init__(self, binary: str, target: Path, drafter: Path, threads: int = 2) -> None:
+        self.binary, self.target, self.drafter, self.threads = binary, target, drafter, threads
+
+    def run(self, text: str, n_tok: int, n_draft: int):
+        """(tokens, decode seconds, stats-like counters) of one greedy generation."""
+        import re
+        import subprocess
+        import tempfile
+        from types import SimpleNamespace
+
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            t = str(self.threads)
+            r = subprocess.run([self.binary, "-m", str(self.target), "-md", str(self.drafter), "--spec-type",
+                                "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", f.name, "--no-escape",
+                                "-n", str(n_tok), "--temp", "0", "--top-k", "1", "--seed", "1", "-c", "1024",
+                                "-t", t, "-td", t, "-ngl", "0", "-ngld", "0"],
+                               capture_output=True, text=True, timeout=600)
+        log = r.stdout + r.stderr
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        drafted, accepted = (re.search(rf"{k}\s*=\s*(\d+)", log) for k in ("n_drafted", "n_accept"))
+        if r.returncode != 0 or not (m and drafted and accepted):
+            raise RuntimeError(f"llama-speculative-simple failed ({r.returncode}): {log[-800:]}")
+        n, secs, d, acc = int(m.group(1)), float(m.group(2)), int(drafted.group(1)), int(accepted.group(1))
+        steps = -(-d // n_draft)  # it drafts n_draft tokens every step
+        return n, secs, SimpleNamespace(steps=steps, drafted=d, accepted=acc, plain_steps=0, t_predicted_s=0.0,
+                                        t_draft_s=0.0, t_verify_s=0.0, lengths=[])
+
+
 def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int, fixed: list[int], sp_kind: str,
-            peers: bool) -> dict:
+            peers: bool, upstream: Upstream | None = None) -> dict:
     agg = Agg()
     t0 = time.time()
     for i, text in enumerate(prompts):
@@ -137,6 +173,9 @@ def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int
                 agg.add("oracle", max(0, r.stats.n_generated - 1), g.oracle_seconds([s["accepted"] for s in steps]))
         r = g.generate(toks, n_tok, sampling=sp)
         agg.add("auto", max(0, r.stats.n_generated - 1), r.stats.t_total_s, r.stats)
+        if upstream is not None and sp_kind == "greedy":
+            for n in sorted({3, g.max_draft_len}):
+                agg.add(f"upstream_dflash_n{n}", *upstream.run(text, n_tok, n))
         print(f"  [{i + 1}/{len(prompts)}] {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return agg.summary()
 
@@ -208,6 +247,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--fixed", default="1,2,3,5,7", help="fixed draft lengths (the largest should be n_max)")
     ap.add_argument("--parts", default="sets,replay", help="sets: the prompt sets; replay: bigger targets")
+    ap.add_argument("--upstream", action="store_true",
+                    help="add upstream's DFlash loop (bench/build-upstream.sh builds it on first use)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "adaptive.json"))
     a = ap.parse_args()
     path = Path(a.out)
@@ -228,13 +269,20 @@ def main() -> None:
     lookup = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
     res.update(run, threads=2, tokens=a.tokens, target=target.name, drafter=drafter.name, sets={})
+    up = None
+    if a.upstream:
+        import subprocess
+
+        binary = subprocess.run(["bash", str(Path(__file__).resolve().parent / "build-upstream.sh")],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        up = Upstream(binary, target, drafter)
     with SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=2) as g:
         g.generate(he[0], 8)  # warm-up; measures (or loads) the cost model
         fixed = [n for n in fixed if n <= g.max_draft_len]
         for sp_kind in ("greedy", "t0.7"):
             for name, ps in (("humaneval", he), ("prose", prose)):
                 print(f"{name} {sp_kind}", file=sys.stderr, flush=True)
-                res["sets"][f"{name}/{sp_kind}"] = run_set(g, llm, lookup, ps, a.tokens, fixed, sp_kind, True)
+                res["sets"][f"{name}/{sp_kind}"] = run_set(g, llm, lookup, ps, a.tokens, fixed, sp_kind, True, up)
                 print(json.dumps(res["sets"][f"{name}/{sp_kind}"]), flush=True)
         res["cost_model_ms"] = {k: [round(1e3 * x, 2) for x in g.cost_model()[k]] for k in ("t_verify", "t_draft")}
     rnd = random_drafters(target, "smollm2", dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3,

@@ -72,6 +72,28 @@ def decode_speed(target: Path, tokens: int, threads: int, rounds: int = 6) -> di
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
+def step_times(ours: Drafter, up: UpstreamDrafter, feats: np.ndarray, pos: int, n: int, reps: int,
+               lattice: bool = False, mask_id: int = 16) -> tuple[float, float, int]:
+    """Median ms of one drafter step (inject n + 1 feature rows from feats[pos:], draft n), ours and
+    upstream's in turn; lattice: upstream's DFlash2 read-out.  Returns (ours, upstream, next pos)."""
+    t_ours, t_up = [], []
+    for _ in range(reps):
+        rows = feats[pos:pos + n + 1]
+        t0 = time.perf_counter()
+        ours.push(rows)
+        ours.draft(100, n)
+        t1 = time.perf_counter()
+        up.push(rows)
+        if lattice:
+            up.lattice(100, mask_id, n)
+        else:
+            up.draft(100, mask_id, n, return_logits=False)
+        t_ours.append(t1 - t0)
+        t_up.append(time.perf_counter() - t1)
+        pos += n + 1
+    return statistics.median(t_ours) * 1e3, statistics.median(t_up) * 1e3, pos
+
+
 def drafter_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
     model = llama_cpp.llama_model_load_from_file(str(target).encode(), llama_cpp.llama_model_default_params())
     res = {}
@@ -85,20 +107,7 @@ def drafter_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
         up.push(feats[:256])
         pos = 256
         for n in (3, 7, 15):
-            t_ours, t_up = [], []
-            for _ in range(reps):
-                rows = feats[pos:pos + n + 1]
-                t0 = time.perf_counter()
-                ours.push(rows)
-                ours.draft(100, n)
-                t1 = time.perf_counter()
-                up.push(rows)
-                up.draft(100, 16, n, return_logits=False)
-                t2 = time.perf_counter()
-                t_ours.append(t1 - t0)
-                t_up.append(t2 - t1)
-                pos += n + 1
-            o, u = statistics.median(t_ours) * 1e3, statistics.median(t_up) * 1e3
+            o, u, pos = step_times(ours, up, feats, pos, n, reps)
             res[f"{n_layer}l_n{n}"] = {"ours_ms": o, "upstream_ms": u, "ours_over_upstream": o / u}
         ours.close()
         up.close()

@@ -48,6 +48,9 @@ from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, wri
 from llama_dflash.verify.oracle import ReplayDraftSource
 from llama_dflash.verify.upstream import UpstreamDrafter
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import step_times  # noqa: E402  (the draft-step timing both benches use)
+
 
 @dataclass
 class Shape:
@@ -167,24 +170,12 @@ def draft_steps(target: Path, drafter: Path, reps: int, n: int = 7) -> dict:
     feats = np.random.default_rng(0).standard_normal((256 + reps * (n + 1), width)).astype(np.float32)
     ours.push(feats[:256])
     up.push(feats[:256])
-    pos, t_ours, t_up = 256, [], []
-    for _ in range(reps):
-        rows = feats[pos:pos + n + 1]
-        t0 = time.perf_counter()
-        ours.push(rows)
-        ours.draft(100, n)
-        t1 = time.perf_counter()
-        up.push(rows)
-        up.lattice(100, MASK_ID, n)
-        t_ours.append(t1 - t0)
-        t_up.append(time.perf_counter() - t1)
-        pos += n + 1
+    o, u, _ = step_times(ours, up, feats, 256, n, reps, lattice=True, mask_id=MASK_ID)
     walked_on_device = False
     try:
         ours.last_lattice()
     except Exception:  # the scores stayed on the device: the walk ran there
         walked_on_device = True
-    o, u = statistics.median(t_ours) * 1e3, statistics.median(t_up) * 1e3
     ours.close()
     up.close()
     llama_cpp.llama_model_free(model)

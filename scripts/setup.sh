@@ -35,20 +35,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-flags="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-flags="$flags -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
-cpu=$(grep -m1 '^flags' /proc/cpuinfo || true)
-has() { [[ " $cpu " == *" $1 "* ]]; }
-has avx && flags="$flags -DGGML_AVX=ON"
-has avx2 && flags="$flags -DGGML_AVX2=ON"
-has fma && flags="$flags -DGGML_FMA=ON"
-has f16c && flags="$flags -DGGML_F16C=ON"
-has bmi2 && flags="$flags -DGGML_BMI2=ON"
-has avx512f && flags="$flags -DGGML_AVX512=ON"
-has avx512vbmi && flags="$flags -DGGML_AVX512_VBMI=ON"
-has avx512_vnni && flags="$flags -DGGML_AVX512_VNNI=ON"
-has avx512_bf16 && flags="$flags -DGGML_AVX512_BF16=ON"
-has avx_vnni && flags="$flags -DGGML_AVX_VNNI=ON"
+flags="$(bash scripts/cpu-flags.sh) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
 WHEELS="$CACHE/wheels"
 want_gpu=False
 if [ "$CUDA" = 1 ]; then
