@@ -451,39 +451,56 @@ _ADAPTIVE_LABELS = {"lcpp_plain": "llama-cpp-python plain", "lcpp_prompt_lookup"
                     "oracle": "ceiling (oracle lengths, cost-model times)"}
 
 
+def _label(k: str) -> str:
+    if k.startswith("upstream_dflash_n"):
+        return f"upstream llama.cpp's DFlash loop (llama-speculative-simple), n = {k[len('upstream_dflash_n'):]}"
+    return _ADAPTIVE_LABELS.get(k, k.replace("fixed_n", "ours fixed n = "))
+
+
+def _adaptive_sets(r: dict, json_name: str) -> list[str]:
+    out = [_source(r["command"], r["date"], json_name,
+                   f"; {r['tokens']} tokens per prompt, 2 threads, {r['target']} + {r['drafter']}"), "",
+           "Every configuration interleaved prompt by prompt in one run. Decode tok/s (prefill excluded); "
+           "\"vs ours plain\" is the ratio of total tok/s, \"worst prompt\" the lowest per-prompt ratio. "
+           "The ceiling drafts exactly what a run at n_max got accepted and pays the cost model's draft + "
+           "verify times (no loop overhead): the best any length policy can do with this drafter here. "
+           "\"gain captured\" = (adaptive − plain) / (ceiling − plain).", ""]
+    for name, rows in r["sets"].items():
+        out += [f"**{name}**", "", "| configuration | tok/s | vs ours plain | worst prompt | τ | notes |",
+                "|---|---|---|---|---|---|"]
+        for k, v in rows.items():
+            notes = []
+            if "vs_llama_cpp" in v:
+                notes.append(f"{v['vs_llama_cpp']:.2f}× llama-cpp-python")
+            if v.get("plain_steps") is not None and "lengths" in v:
+                notes.append(f"{v['plain_steps']} of {v['steps']} steps plain; verified lengths {v['lengths']}")
+            if v.get("predicted_over_measured"):
+                notes.append(f"predicted / measured step time {v['predicted_over_measured']:.3f}")
+            if v.get("fraction_of_ceiling_gain") is not None:
+                notes.append(f"gain captured {v['fraction_of_ceiling_gain']:.2f}")
+            out.append(f"| {_label(k)} | {v['tok_s']:.1f} | {v.get('vs_ours_plain', 1.0):.3f} | "
+                       f"{v.get('per_prompt_min', 1.0):.3f} | {v.get('tau', '')} | {'; '.join(notes)} |")
+        out.append("")
+    if r.get("cost_model_ms"):
+        out += [f"Cost model at the end of the run (ms): verify batches of 1 … n rows "
+                f"{r['cost_model_ms']['t_verify']}, drafts of 1 … n tokens {r['cost_model_ms']['t_draft']}.", ""]
+    return out
+
+
 def adaptive() -> list[str]:
     if not (HERE / "adaptive.json").is_file():
         return []
     r = _load("adaptive.json")
     out = ["## Cost-aware drafting", ""]
     if r.get("sets"):
-        out += [_source(r["command"], r["date"], "adaptive.json",
-                        f"; {r['tokens']} tokens per prompt, 2 threads, {r['target']} + {r['drafter']}"), "",
-                "Every configuration interleaved prompt by prompt in one run. Decode tok/s (prefill excluded); "
-                "\"vs ours plain\" is the ratio of total tok/s, \"worst prompt\" the lowest per-prompt ratio. "
-                "The ceiling drafts exactly what a run at n_max got accepted and pays the cost model's draft + "
-                "verify times (no loop overhead): the best any length policy can do with this drafter here. "
-                "\"gain captured\" = (adaptive − plain) / (ceiling − plain).", ""]
-        for name, rows in r["sets"].items():
-            out += [f"**{name}**", "", "| configuration | tok/s | vs ours plain | worst prompt | τ | notes |",
-                    "|---|---|---|---|---|---|"]
-            for k, v in rows.items():
-                label = _ADAPTIVE_LABELS.get(k, k.replace("fixed_n", "ours fixed n = "))
-                notes = []
-                if "vs_llama_cpp" in v:
-                    notes.append(f"{v['vs_llama_cpp']:.2f}× llama-cpp-python")
-                if v.get("plain_steps") is not None and "lengths" in v:
-                    notes.append(f"{v['plain_steps']} of {v['steps']} steps plain; verified lengths {v['lengths']}")
-                if v.get("predicted_over_measured"):
-                    notes.append(f"predicted / measured step time {v['predicted_over_measured']:.3f}")
-                if v.get("fraction_of_ceiling_gain") is not None:
-                    notes.append(f"gain captured {v['fraction_of_ceiling_gain']:.2f}")
-                out.append(f"| {label} | {v['tok_s']:.1f} | {v.get('vs_ours_plain', 1.0):.3f} | "
-                           f"{v.get('per_prompt_min', 1.0):.3f} | {v.get('tau', '')} | {'; '.join(notes)} |")
-            out.append("")
-        if r.get("cost_model_ms"):
-            out += [f"Cost model at the end of the run (ms): verify batches of 1 … n rows "
-                    f"{r['cost_model_ms']['t_verify']}, drafts of 1 … n tokens {r['cost_model_ms']['t_draft']}.", ""]
+        out += _adaptive_sets(r, "adaptive.json")
+    if (HERE / "adaptive_upstream.json").is_file():
+        ru = _load("adaptive_upstream.json")
+        out += ["### Against upstream llama.cpp's own DFlash loop", "",
+                "The same two files through upstream's `llama-speculative-simple --spec-type draft-dflash` (built "
+                "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
+                "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
+                "with every other configuration prompt by prompt.", "", *_adaptive_sets(ru, "adaptive_upstream.json")]
     rp = r.get("replay")
     if rp:
         out += ["### Bigger targets, replayed drafts at a fixed acceptance", "",
