@@ -62,9 +62,9 @@ static int32_t walk_on_device(struct dflash_drafter * d, const struct dflash_gra
 #endif
 
 // Run one graph over n_seq states: inject their pending rows (which become cached)
-// and, if n_block > 0, draft the tokens of blocks of n_block rows after each anchor (n_block - 1,
-// or n_block with sample_from_anchor).  out_tokens / out_logits hold n_seq consecutive rows of them.  samp (one state only)
-// requests sampling or a p_min cut-off.
+// and, if n_block > 0, draft a block of n_block rows after each anchor: n_block - 1 tokens
+// (n_block with sample_from_anchor).  out_tokens / out_logits hold n_seq consecutive rows of
+// them.  samp (one state only) requests sampling or a p_min cut-off.
 int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, int32_t n_seq,
                          const int32_t * anchors, int32_t n_block, int32_t * out_tokens, float * out_logits,
                          struct dflash_sample_req * samp, char * err, size_t err_len) {
