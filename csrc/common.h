@@ -8,6 +8,12 @@
 #include <stdio.h>
 #include <time.h>
 
+// Tokens one block of the drafter drafts: block_size - 1, or block_size when the anchor's slot
+// predicts too (sample_from_anchor).
+static inline int32_t dflash_max_draft(const struct dflash_drafter_info * hp) {
+    return hp->block_size - (hp->sample_from_anchor ? 0 : 1);
+}
+
 // Write a one-line message into a caller's buffer (may be NULL).
 static inline void dflash_seterr(char * err, size_t err_len, const char * fmt, ...) {
     if (!err || err_len == 0) return;

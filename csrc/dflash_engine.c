@@ -370,7 +370,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     if (e->drafter && !e->draft_fn) {
         struct dflash_drafter_info info;
         dflash_drafter_get_info(e->drafter, &info);
-        const int32_t n_max = info.block_size - (info.sample_from_anchor ? 0 : 1);
+        const int32_t n_max = dflash_max_draft(&info);
         if (n_draft > n_max) {
             dflash_seterr(err, err_len, "draft length %d exceeds the drafter's block (%d): at most %d", n_draft,
                           info.block_size, n_max);
@@ -858,8 +858,7 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     if (e->drafter) {
         struct dflash_drafter_info info;
         dflash_drafter_get_info(e->drafter, &info);
-        const int32_t n_max = info.block_size - (info.sample_from_anchor ? 0 : 1);
-        if (n_draft > n_max) n_draft = n_max;
+        if (n_draft > dflash_max_draft(&info)) n_draft = dflash_max_draft(&info);
     }
     // a small context or batch times what fits (the model extrapolates the rest)
     if (n_rows > e->n_batch) n_rows = e->n_batch;

@@ -22,9 +22,9 @@ static bool on_cuda(const struct ggml_tensor * t) {
            strncmp(ggml_backend_dev_name(dev), "CUDA", 4) == 0;
 }
 
-// DFlash2 with the lattice in CUDA memory: walk it there (dflash_walk's twin); only the ids,
-// the candidates and, when sampling, q come back.  A token filter (host callbacks) keeps the host
-// walk.  Returns 1 when walked, 0 when the host must walk, -1 on error.
+// DFlash2 with the lattice in CUDA memory: walk it there (dflash_walk's twin); only the ids and,
+// when sampling, q come back (run_graph has read the candidates).  A token filter (host callbacks)
+// keeps the host walk.  Returns 1 when walked, 0 when the host must walk, -1 on error.
 static int32_t walk_on_device(struct dflash_drafter * d, const struct dflash_graph * G, struct dflash_state ** sts,
                               int32_t n_seq, int32_t n, int32_t * out_tokens, struct dflash_sample_req * samp,
                               char * err, size_t err_len) {
@@ -45,15 +45,9 @@ static int32_t walk_on_device(struct dflash_drafter * d, const struct dflash_gra
                          err, err_len) != 0) {
         return -1;
     }
-    const size_t nk = (size_t) n * K;
-    for (int32_t s = 0; s < n_seq; s++) {
-        struct dflash_state * st = sts[s];
-        ggml_backend_tensor_get(G->cand, st->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
-        st->last_n = n;
-        st->scores_on_device = true;
-    }
+    for (int32_t s = 0; s < n_seq; s++) sts[s]->scores_on_device = true;
     if (samp) {
-        if (sampled) memcpy(samp->cand, sts[0]->last_cand, sizeof(int32_t) * nk);
+        if (sampled) memcpy(samp->cand, sts[0]->last_cand, sizeof(int32_t) * (size_t) n * K);
         samp->k = K;
         samp->n_out = got[0];
     }
@@ -129,22 +123,24 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         sts[s]->n_pending = 0;
     }
     const int32_t n = n_block - (hp->sample_from_anchor ? 0 : 1);
-    int32_t walked = 0;
-#ifdef DFLASH_CUDA
-    if (n_block > 0 && hp->version == 2) walked = walk_on_device(d, &G, sts, n_seq, n, out_tokens, samp, err, err_len);
-    if (walked < 0) {
-        ggml_free(G.ctx);
-        return -1;
-    }
-#endif
-    if (n_block > 0 && hp->version == 2 && !walked) {
+    if (n_block > 0 && hp->version == 2) {
         const int32_t K = hp->selector_top_k;
         const size_t nk = (size_t) n * K;
         for (int32_t s = 0; s < n_seq; s++) {
+            ggml_backend_tensor_get(G.cand, sts[s]->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
+            sts[s]->last_n = n;
+        }
+        int32_t walked = 0;
+#ifdef DFLASH_CUDA
+        walked = walk_on_device(d, &G, sts, n_seq, n, out_tokens, samp, err, err_len);
+        if (walked < 0) {
+            ggml_free(G.ctx);
+            return -1;
+        }
+#endif
+        for (int32_t s = 0; s < n_seq && !walked; s++) {
             struct dflash_state * st = sts[s];
-            ggml_backend_tensor_get(G.cand, st->last_cand, sizeof(int32_t) * nk * s, sizeof(int32_t) * nk);
             ggml_backend_tensor_get(G.scores, st->last_scores, sizeof(float) * nk * K * s, sizeof(float) * nk * K);
-            st->last_n = n;
             st->scores_on_device = false;
             const int32_t got = dflash_walk(hp, st->last_cand, st->last_scores, n, out_tokens + (size_t) s * n, samp);
             if (samp) {
@@ -195,7 +191,7 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
 
 static bool check_draft_args(const dflash_state * st, int32_t anchor, int32_t n, char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &st->d->hp;
-    const int32_t n_max = hp->block_size - (hp->sample_from_anchor ? 0 : 1);
+    const int32_t n_max = dflash_max_draft(hp);
     if (n < 1 || n > n_max) {
         dflash_seterr(err, err_len, "draft length %d is outside 1..%d (block size %d)", n, n_max, hp->block_size);
         return false;
@@ -231,7 +227,8 @@ int32_t dflash_drafter_draft_batch(dflash_drafter * d, dflash_state ** states, i
         }
         if (!check_draft_args(states[s], anchors[s], n, err, err_len)) return -1;
     }
-    return dflash_run_graph(d, states, n_seq, anchors, dflash_block_rows(&d->hp, n), out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+    const int32_t rows = dflash_block_rows(&d->hp, n);
+    return dflash_run_graph(d, states, n_seq, anchors, rows, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
 }
 
 // ---- drafts of one state (the drafter's own: the single-sequence API) -----------
@@ -241,15 +238,16 @@ int32_t dflash_state_draft(dflash_state * st, int32_t anchor, int32_t n, float p
                            float * out_logits, char * err, size_t err_len) {
     struct dflash_drafter * d = st->d;
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
+    const int32_t rows = dflash_block_rows(&d->hp, n);
     if (!(p_min > 0.0f) && !filter && !out_conf) {
-        return dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
+        return dflash_run_graph(d, &st, 1, &anchor, rows, out_tokens, out_logits, NULL, err, err_len) ? -1 : n;
     }
     // the cut-off needs each slot's candidates: v1 runs its top-K path, v2 its lattice
     const int32_t K = d->hp.version == 2 ? d->hp.selector_top_k : DFLASH_V1_SAMPLE_K;
     int32_t * cand = malloc(sizeof(int32_t) * (size_t) n * K);
     float * q = malloc(sizeof(float) * (size_t) n * K);
     struct dflash_sample_req req = { 1.0f, NULL, cand, q, 0, p_min, out_conf, 0, filter };
-    const int32_t rc = dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, out_logits, &req, err, err_len);
+    const int32_t rc = dflash_run_graph(d, &st, 1, &anchor, rows, out_tokens, out_logits, &req, err, err_len);
     free(cand);
     free(q);
     return rc ? -1 : req.n_out;
@@ -272,7 +270,8 @@ int32_t dflash_state_draft_sample(dflash_state * st, int32_t anchor, int32_t n, 
     }
     if (!check_draft_args(st, anchor, n, err, err_len)) return -1;
     struct dflash_sample_req req = { temperature, rng, out_cand, out_q, 0, 0.0f, NULL, 0, filter };
-    if (dflash_run_graph(d, &st, 1, &anchor, dflash_block_rows(&d->hp, n), out_tokens, NULL, &req, err, err_len) != 0) return -1;
+    const int32_t rows = dflash_block_rows(&d->hp, n);
+    if (dflash_run_graph(d, &st, 1, &anchor, rows, out_tokens, NULL, &req, err, err_len) != 0) return -1;
     *out_k = req.k;
     return req.n_out;
 }

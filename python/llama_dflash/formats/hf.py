@@ -135,6 +135,17 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
     return [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
+def _read_config(d: Path) -> tuple[dict, Path]:
+    """A HF checkpoint directory's config.json, parsed, and its path."""
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ConvertError(f"{d}: no config.json (not a HF checkpoint directory)")
+    try:
+        return json.loads(cfg_path.read_text()), cfg_path
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{cfg_path}: invalid JSON ({e})") from None
+
+
 SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
@@ -212,11 +223,7 @@ def write_speculators(hf_dir: str | os.PathLike, target: str | os.PathLike, out_
     config in speculators' schema beside the same weights.  verifier: the name or path recorded as
     the verifier (default: the target's path)."""
     d, out = Path(hf_dir), Path(out_dir)
-    cfg_path = d / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{cfg_path}: {e}") from None
+    raw, cfg_path = _read_config(d)
     t = read_target(target)
     c, _ = parse_config(raw, cfg_path, t)
     if raw.get("draft_vocab_size") not in (None, t.n_vocab):
@@ -407,13 +414,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     target_gguf: the target's GGUF file, or its HF directory (config.json + BPE tokenizer.json).
     """
     d = Path(hf_dir)
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise ConvertError(f"{d}: no config.json (not a HF checkpoint directory)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg, cfg_path = _read_config(d)
     target = read_target(target_gguf)
     c, version = parse_config(cfg, cfg_path, target)
     try:
