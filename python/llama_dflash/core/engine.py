@@ -27,6 +27,8 @@ from ..errors import DFlashError
 from ..formats.config import DrafterConfig
 from . import exact as exact_mode
 from . import policy
+from .capture import MODES as CAPTURE_MODES
+from .capture import Capture
 from .drafter import Drafter
 from .sampling import MODE_NAMES, SamplingParams, grammar_params, verification
 from .stats import SpecStats
@@ -36,7 +38,6 @@ DraftSource = Callable[[Sequence[int], int], Sequence[int]]
 
 StepCallback = Callable[[dict], None]
 
-CAPTURE_MODES = {"auto": 0, "layer_inp": 1, "cb_eval": 2}
 # exact mode probes verify batches of up to this many rows (drafts of up to 15)
 EXACT_PROBE_ROWS = 16
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw one
@@ -178,14 +179,12 @@ class EngineCore(_native.Resource):
             taps = list(self.drafter_info.target_layers)
         self.capture_mode = "none"
         if taps and self.unavailable is None:  # no capture or engine on a target that cannot speculate
-            err = _native.err_buf()
-            c = lib.dflash_capture_new(self._model_c, ffi.new("int32_t[]", taps), len(taps), n_batch,
-                                       CAPTURE_MODES[capture], err, _native.ERR_LEN)
-            if c == ffi.NULL:
+            try:
+                self._capture = Capture(model, taps, n_batch, capture)
+            except DFlashError:
                 self.close()
-                raise DFlashError(_native.err_str(err))
-            self._capture = c
-            self.capture_mode = {1: "layer_inp", 2: "cb_eval"}[lib.dflash_capture_mode(c)]
+                raise
+            self.capture_mode = self._capture.mode
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -193,7 +192,7 @@ class EngineCore(_native.Resource):
         """Put the cb_eval capture (if this target needs it) into the ``llama_context_params``
         (a ctypes struct) the target context will be created with."""
         if self._capture is not None:
-            lib.dflash_capture_install(self._capture, _native.ptr("void *", cparams))
+            self._capture.install(cparams)
 
     def attach(self, ctx) -> None:
         """Bind the capture and create the engine on the target context (``llama_context *``)."""
@@ -209,10 +208,10 @@ class EngineCore(_native.Resource):
                 self.exact = v
         err = _native.err_buf()
         ctx_c = _native.ptr("struct llama_context *", ctx)
-        if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
-            raise DFlashError(_native.err_str(err))
+        if self._capture is not None:
+            self._capture.attach(ctx)
         e = lib.dflash_engine_new(ctx_c, self._drafter.handle if self._drafter else ffi.NULL,
-                                  self._capture or ffi.NULL, err, _native.ERR_LEN)
+                                  self._capture.handle if self._capture else ffi.NULL, err, _native.ERR_LEN)
         if e == ffi.NULL:
             raise DFlashError(_native.err_str(err))
         self._engine = e
@@ -242,7 +241,7 @@ class EngineCore(_native.Resource):
         """Values per position that ``features`` returns (n_taps * n_embd)."""
         if self._capture is None:
             raise DFlashError("no capture: load a drafter or pass capture_layers")
-        return lib.dflash_capture_row_width(self._capture)
+        return self._capture.width
 
     # -- running ----------------------------------------------------------------------------
 
@@ -363,6 +362,6 @@ class EngineCore(_native.Resource):
         if getattr(self, "_drafter", None):
             self._drafter.close()
         self._drafter = None
-        if getattr(self, "_capture", None):
-            lib.dflash_capture_free(self._capture)
+        if getattr(self, "_capture", None) is not None:
+            self._capture.close()
         self._capture = None

@@ -31,6 +31,7 @@ import llama_cpp
 from .. import _native
 from .._native import ffi, lib
 from ..errors import DFlashError
+from .capture import Capture
 from .engine import EngineCore, EngineRequest, Run
 from .stats import SpecStats
 
@@ -122,25 +123,24 @@ class EngineGroup(_native.Resource):
         cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
         cp.cb_eval_user_data = None
         taps = list(core.drafter_info.target_layers) if core.has_drafter else []
-        err = _native.err_buf()
         if taps:
-            c = lib.dflash_capture_new(core._model_c, ffi.new("int32_t[]", taps), len(taps), int(cp.n_batch),
-                                       {"layer_inp": 1, "cb_eval": 2}[core.capture_mode], err, _native.ERR_LEN)
-            if c == ffi.NULL:
-                raise DFlashError(_native.err_str(err))
-            self._capture = c
-            lib.dflash_capture_install(c, _native.ptr("void *", cp))
+            self._capture = Capture(core._model, taps, int(cp.n_batch), core.capture_mode)
+            self._capture.install(cp)
         self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
         if not self._ctx:
             self.close()
             raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
-        ctx_c = _native.ptr("struct llama_context *", self._ctx)
-        if self._capture is not None and lib.dflash_capture_attach(self._capture, ctx_c, err, _native.ERR_LEN) != 0:
-            self.close()
-            raise DFlashError(_native.err_str(err))
+        if self._capture is not None:
+            try:
+                self._capture.attach(self._ctx)
+            except DFlashError:
+                self.close()
+                raise
         drafter = core.drafter.handle if core.has_drafter else ffi.NULL
+        ctx_c, err = _native.ptr("struct llama_context *", self._ctx), _native.err_buf()
         for s in range(n_seq):
-            e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture or ffi.NULL, s, err, _native.ERR_LEN)
+            e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture.handle if self._capture else ffi.NULL, s, err,
+                                          _native.ERR_LEN)
             if e == ffi.NULL:
                 self.close()
                 raise DFlashError(_native.err_str(err))
@@ -336,6 +336,6 @@ class EngineGroup(_native.Resource):
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
         self._ctx = None
-        if getattr(self, "_capture", None):
-            lib.dflash_capture_free(self._capture)
+        if getattr(self, "_capture", None) is not None:
+            self._capture.close()
         self._capture = None
