@@ -1,15 +1,21 @@
-"""Training data on disk: feature capture is resumable and incremental (a grown set of
-responses captures only its new sequences; the copied rows equal a fresh capture)."""
+"""Training data on disk: one target pass per sequence (the generation's decodes capture the
+features and top-k log-probabilities), a row store that survives interruption, and a second pass
+only for responses without rows (older directories, added responses), copied where an earlier
+capture of the same sequence exists."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import llama_cpp
 import numpy as np
 import pytest
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.train.data import Dataset, DataSpec, build_features
+from llama_dflash.train.data import Dataset, DataSpec, build_features, generate_responses
+from llama_dflash.train.prompts import training_prompts
+from llama_dflash.train.store import RowStore, dequantize_q8, quantize_q8
 
 
 def _responses(path, recs):
@@ -27,7 +33,7 @@ def _recs(n, seed):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts the target forwards feature capture makes."""
+    """Counts the second-pass target forwards (SpeculativeGenerator.features)."""
     calls = []
     real = SpeculativeGenerator.features
 
@@ -40,16 +46,126 @@ def counted(monkeypatch):
 
 
 def _by_key(d):
-    """{tokens: features} for every sequence of a data directory."""
+    """{tokens: features} for every sequence of a data directory's training set."""
     ds = Dataset(d)
-    return {ds.sequence(i)[0].tobytes(): np.array(ds.sequence(i)[1]) for i in range(len(ds))}
+    return {np.asarray(ds.sequence(i)[0], np.int32).tobytes(): ds.sequence(i)[1] for i in range(len(ds))}
 
 
-def test_added_responses_capture_only_the_new_sequences(artifacts, tmp_path, counted):
-    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2, 4])
-    a, fresh = tmp_path / "a", tmp_path / "fresh"
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_one_pass_rows_match_a_second_pass(artifacts, tmp_path, counted, name):
+    """Generation (8 prompts through 4 slots, greedy and sampled) stores every position's features:
+    each sequence's rows equal a separate capture of its tokens up to batch rounding (and are far
+    from any other sequence's: rows are not mixed up across the joint decodes), on layer-input
+    (llama) and cb_eval (qwen2) capture; the top-k rows are the target's next-token
+    log-probabilities; the training set then needs no second pass."""
+    target = artifacts[name]["target"]
+    spec = DataSpec(target=target, taps=[0, 2, 4], max_new=12, n_seq=4, sampled_every=2, temperature=1.0, top_k=8,
+                    feature_format="f16")
+    generate_responses(tmp_path, spec, training_prompts(limit=8), log=lambda m: None)
+    build_features(tmp_path, spec, training_prompts(limit=8), log=lambda m: None)
+    assert counted == []
+    ds = Dataset(tmp_path)
+    assert len(ds) == 12 and ds.top_k == 8
+    seqs = [ds.sequence(i) for i in range(len(ds))]
+    with SpeculativeGenerator(target, n_ctx=512, capture_layers=spec.taps) as g:
+        fresh = [g.features(t.tolist()) for t, _, _ in seqs]
+    plain = llama_cpp.Llama(target, n_ctx=512, logits_all=True, verbose=False)
+    try:
+        for i, ((toks, f, start), want) in enumerate(zip(seqs, fresh, strict=True)):
+            assert _rel(f, want) < 1e-2, i
+            for j, w in enumerate(fresh):  # another sequence's rows would be far off
+                if j != i and len(w) >= len(want):
+                    assert _rel(w[start:len(want)], want[start:]) > 0.2, (i, j)
+            ids, logp = ds.top(i)
+            assert (ids[: start - 1] == -1).all() and (ids[len(toks) - 1] == -1).all()
+            rows = slice(start - 1, len(toks) - 1)
+            assert (ids[rows] >= 0).all() and (np.diff(logp[rows], axis=1) <= 1e-3).all()
+            assert (np.exp(logp[rows]).sum(1) <= 1.001).all()
+            if ds.index[i, 3] == 0:  # greedy: the most likely next token is the one generated
+                assert (ids[rows, 0] == toks[start:]).all()
+            # the top-k log-probabilities are the target's at that position (up to another context's
+            # rounding: a random-weight target's logits span tens of units)
+            plain.reset()  # decoded as the generation did: the prompt in one batch, then row by row
+            plain.eval(toks[:start].tolist())
+            for t in toks[start:]:
+                plain.eval([int(t)])
+            z = np.asarray(plain.scores[: len(toks)], np.float64)
+            lz = z - (z.max(1, keepdims=True) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)))
+            r = np.arange(start - 1, len(toks) - 1)
+            d = np.abs(logp[r] - np.take_along_axis(lz[r], ids[r], 1))
+            assert d.mean() < 0.15 and d.max() < 1.0, (d.mean(), d.max())
+            off = np.abs(logp[r[:-1]] - np.take_along_axis(lz[r[1:]], ids[r[:-1]], 1))
+            assert off.mean() > 4 * d.mean(), (off.mean(), d.mean())  # the next row's: far off
+    finally:
+        plain.close()
+
+
+def test_q8_rows_keep_massive_activation_channels_apart():
+    """Per-channel standardisation before the per-row, per-tap int8 scale: a few channels far
+    larger than the rest (as in real hidden states) do not wipe out the others' resolution."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (600, 2 * 64)).astype(np.float32) * rng.uniform(0.5, 3, 128).astype(np.float32)
+    x[:, 5] *= 2000  # massive activation channels
+    x[:, 64 + 9] += 5000
+    x[::50, 70] = 20000  # and a few rows with a huge value
+    from llama_dflash.train.store import _channel_stats
+
+    norm = _channel_stats(x, 2)
+    q, s = quantize_q8(x, norm, 2)
+    assert q.dtype == np.int8 and s.dtype == np.float16 and s.shape == (600, 2)
+    err = (dequantize_q8(q, s, norm) - x) / x.std(0)
+    ordinary = np.ones(600, bool)
+    ordinary[::50] = False
+    assert np.sqrt((err[ordinary] ** 2).mean()) < 0.015
+    assert np.abs(err[ordinary]).max() < 0.05
+    # per-row scales alone (no channel step) would be ~100x worse: the check can fail
+    z = x.reshape(600, 2, 64)
+    sc = np.abs(z).max(2, keepdims=True) / 127
+    naive = (np.rint(z / sc) * sc).reshape(600, -1)
+    assert np.sqrt((((naive - x) / x.std(0))[ordinary] ** 2).mean()) > 0.5
+
+
+def test_store_survives_an_interrupted_append_and_other_settings_replace_it(tmp_path):
+    cap = {"target": "t", "taps": [0, 1]}
+    rng = np.random.default_rng(1)
+    seqs = [(rng.integers(0, 100, n), rng.normal(0, 1, (n, 8)).astype(np.float32)) for n in (5, 7, 3)]
+    st = RowStore(tmp_path / "rows", cap, 8, 2, "q8", top_k=2)
+    for i, (t, f) in enumerate(seqs):
+        st.add(("k", 0.0, i), t, f)
+    st.flush()
+    assert st.n_rows == 15 and len(st.refs) == 3
+    want = st.features(*st.refs[("k", 0.0, 2)])
+    # an append cut short: part of a fourth sequence's rows written, its reference never
+    with open(tmp_path / "rows" / "feat.q8", "ab") as f:
+        f.write(b"\x01" * 8 * 4)
+    with open(tmp_path / "rows" / "tokens.i32", "ab") as f:
+        f.write(b"\x00" * 4 * 6)
+    with open(tmp_path / "rows" / "refs.jsonl", "a") as f:
+        f.write('{"rid": ["k", 0.0, 3], "row": 15, "n": 6}\n{"rid": ["k"')
+    again = RowStore.open(tmp_path / "rows")
+    assert again.n_rows == 15 and sorted(again.refs) == [("k", 0.0, i) for i in range(3)]
+    np.testing.assert_array_equal(again.features(*again.refs[("k", 0.0, 2)]), want)
+    np.testing.assert_array_equal(again.top(0, 5)[0], -1)  # added without top-k: none
+    assert os.path.getsize(tmp_path / "rows" / "feat.q8") == 15 * 8
+    np.testing.assert_allclose(again.features(0, 5), seqs[0][1], atol=0.05)
+    with pytest.raises(ValueError, match="other settings"):
+        RowStore(tmp_path / "rows", cap, 8, 2, "f16", top_k=2)
+    fresh = RowStore.replace(tmp_path / "rows", cap, 8, 2, "f16", top_k=2)
+    assert fresh.n_rows == 0 and not fresh.refs
+
+
+def test_responses_without_rows_get_a_second_pass_or_a_copy(artifacts, tmp_path, counted):
+    """Responses on file without rows (a directory from before one-pass capture, or added by hand)
+    are captured once; grown sets capture only their new sequences; another directory's capture of
+    the same sequence is copied; the copied rows equal a fresh capture."""
+    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2, 4], feature_format="f16")
+    a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
-    fresh.mkdir()
+    b.mkdir()
     first, more = _recs(5, 1), _recs(4, 2)
     _responses(a / "responses.jsonl", first)
     build_features(a, spec, log=lambda m: None)
@@ -57,77 +173,66 @@ def test_added_responses_capture_only_the_new_sequences(artifacts, tmp_path, cou
     counted.clear()
     build_features(a, spec, log=lambda m: None)  # unchanged: nothing to do
     assert counted == []
-
     _responses(a / "responses.jsonl", more)
-    msgs = []
-    build_features(a, spec, log=msgs.append)
+    build_features(a, spec, log=lambda m: None)
     assert sorted(map(tuple, counted)) == sorted(tuple(p + r) for _, p, r in more)
-    assert any("5 of 9 sequences carried over" in m for m in msgs)
 
     counted.clear()
-    _responses(fresh / "responses.jsonl", first + more)
+    _responses(b / "responses.jsonl", first + more + _recs(2, 3))
+    msgs = []
+    build_features(b, spec, log=msgs.append, reuse=[a])
+    assert len(counted) == 2 and any("9 of 11 sequences carried over" in m for m in msgs)
+    got = _by_key(b)
+    counted.clear()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _responses(fresh / "responses.jsonl", first + more + _recs(2, 3))
     build_features(fresh, spec, log=lambda m: None)
-    assert len(counted) == 9
-    got, want = _by_key(a), _by_key(fresh)
-    assert got.keys() == want.keys() and len(got) == 9
-    for k in want:  # the carried-over rows equal a fresh capture (and so do the new ones)
+    want = _by_key(fresh)
+    assert got.keys() == want.keys() and len(got) == 11
+    for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     assert np.abs(want[next(iter(want))]).max() > 0
 
+    # other taps: a store of their own, everything captured again
+    counted.clear()
+    build_features(a, DataSpec(target=spec.target, taps=[1, 3], feature_format="f16"), log=lambda m: None)
+    assert len(counted) == 9 and Dataset(a).width == 2 * 64
 
-def test_interrupted_capture_resumes_and_old_count_state_is_read(artifacts, tmp_path, counted):
-    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2, 4])
-    recs = _recs(6, 3)
+
+def test_the_layout_before_row_stores_is_carried_over(artifacts, tmp_path, counted):
+    """A data directory of the earlier layout (tokens.npy / index.npy / features.f16 / features.done,
+    its count-state form too) is read by Dataset as it is, and packing moves its rows into the store
+    without a second pass."""
+    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2, 4], feature_format="f16")
+    recs = _recs(4, 4)
     _responses(tmp_path / "responses.jsonl", recs)
-    build_features(tmp_path, spec, log=lambda m: None)
-    want = _by_key(tmp_path)
-    # an interrupted capture: three sequences recorded as done, the rest's rows lost
-    st = json.loads((tmp_path / "features.done").read_text())
-    st["done"] = st["done"][:3]
-    (tmp_path / "features.done").write_text(json.dumps(st))
-    ds = Dataset(tmp_path)
-    lost = [ds.sequence(i)[0].tobytes() for i in range(3, 6)]
-    f = np.memmap(tmp_path / "features.f16", np.float16, "r+", shape=ds.features.shape)
-    for i in range(3, 6):
-        o, n = (int(x) for x in ds.index[i, :2])
-        f[o:o + n] = 0
-    f.flush()
-    del f, ds
+    tokens = np.concatenate([np.asarray(p + r, np.int32) for _, p, r in recs])
+    lengths = [len(p) + len(r) for _, p, r in recs]
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    index = np.array([[offs[i], lengths[i], len(recs[i][1]), 0, 0] for i in range(4)], np.int64)
+    with SpeculativeGenerator(spec.target, n_ctx=64, capture_layers=spec.taps) as g:
+        feats = np.concatenate([g.features(tokens[offs[i]:offs[i + 1]].tolist()) for i in range(4)])
+    np.save(tmp_path / "tokens.npy", tokens)
+    np.save(tmp_path / "index.npy", index)
+    feats.astype(np.float16).tofile(tmp_path / "features.f16")
+    (tmp_path / "features.done").write_text("3")  # three sequences complete (the earlier count form)
+    old = Dataset(tmp_path)
+    np.testing.assert_array_equal(old.sequence(1)[1], feats[offs[1]:offs[2]].astype(np.float16).astype(np.float32))
     counted.clear()
     build_features(tmp_path, spec, log=lambda m: None)
-    assert sorted(np.asarray(c, np.int32).tobytes() for c in counted) == sorted(lost)
-    got = _by_key(tmp_path)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k])
-
-    # the state format of earlier runs (a count of leading sequences) is still understood
-    (tmp_path / "features.done").write_text("4")
-    counted.clear()
-    build_features(tmp_path, spec, log=lambda m: None)
-    assert len(counted) == 2
-    assert json.loads((tmp_path / "features.done").read_text())["done"] == list(range(6))
-
-
-def test_other_taps_or_a_corrupt_state_capture_everything_again(artifacts, tmp_path, counted):
-    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2, 4])
-    _responses(tmp_path / "responses.jsonl", _recs(4, 4))
-    build_features(tmp_path, spec, log=lambda m: None)
-    counted.clear()
-    build_features(tmp_path, DataSpec(target=spec.target, taps=[1, 3]), log=lambda m: None)
-    assert len(counted) == 4 and Dataset(tmp_path).width == 2 * 64
-    counted.clear()
-    (tmp_path / "features.done").write_text("{not json")
-    build_features(tmp_path, spec, log=lambda m: None)
-    assert len(counted) == 4 and Dataset(tmp_path).width == 3 * 64
+    assert len(counted) == 1 and not (tmp_path / "features.f16").exists()
+    new = Dataset(tmp_path)
+    got = {np.asarray(new.sequence(i)[0], np.int32).tobytes(): new.sequence(i)[1] for i in range(4)}
+    for i in range(4):
+        np.testing.assert_allclose(got[tokens[offs[i]:offs[i + 1]].tobytes()], feats[offs[i]:offs[i + 1]],
+                                   rtol=1e-3, atol=1e-3)
 
 
 def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_path):
     """Sampled responses per prompt (`samples`, `sampled_every`) grow a data set without redoing it:
     each (prompt, temperature, sample) is generated once; sample 0 keeps the seed it had before
     samples existed, so older files (no "sample" field) count as sample 0."""
-    from llama_dflash.train.data import generate_responses
-    from llama_dflash.train.prompts import training_prompts
-
     d = tmp_path / "d"
     prompts = training_prompts(limit=4)
     base = dict(target=artifacts["llama"]["target"], taps=[0, 2], max_new=8, n_seq=4, temperature=1.5)
@@ -168,13 +273,17 @@ def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_pa
 
 
 def test_too_little_disk_is_a_clear_error(artifacts, tmp_path, monkeypatch):
-    """The memory-mapped feature file would crash the process on a full disk: checked first."""
+    """Checked before generating or capturing: a full disk would fail a run hours in."""
     import shutil
     from collections import namedtuple
 
-    _responses(tmp_path / "responses.jsonl", _recs(3, 5))
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    spec = DataSpec(target=artifacts["llama"]["target"], taps=[0, 2])
     with pytest.raises(ValueError, match="GiB free"):
-        build_features(tmp_path, DataSpec(target=artifacts["llama"]["target"], taps=[0, 2]), log=lambda m: None)
-    assert not (tmp_path / "features.f16").exists() and not (tmp_path / "features.f16.tmp").exists()
+        generate_responses(tmp_path / "g", spec, training_prompts(limit=2), log=lambda m: None)
+    assert not (tmp_path / "g" / "responses.jsonl").exists()
+    _responses(tmp_path / "responses.jsonl", _recs(3, 5))
+    with pytest.raises(ValueError, match="GiB free"):
+        build_features(tmp_path, spec, log=lambda m: None)
+    assert os.path.getsize(tmp_path / "rows" / "feat.q8") == 0

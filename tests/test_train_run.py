@@ -107,10 +107,11 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     assert s["init"]["run"] == str(a.resolve()) and s["init"]["stage"] == "tune" and s["init"]["steps"] == 6
     assert len(s["init"]["start"]["per_slot_accuracy"]) == 7 and "path_tau" in s["init"]["start"]
     assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
-    # a's responses and features were reused: only the 4 new prompts' 8 sequences were generated and captured
+    # a's responses and rows were reused: only the 4 new prompts' 8 sequences were generated (and captured in
+    # the same pass)
     log = (b / "train.log").read_text()
     assert "responses: starting from" in log and "generating 8 responses (12 already done)" in log
-    assert "12 of 20 sequences carried over" in log and "(8 captured now)" in log
+    assert "12 of 20 sequences carried over" in log and "(0 captured in a second pass)" in log
     fa, fb = Dataset(a / "data"), Dataset(b / "data")
     rows = {fa.sequence(i)[0].tobytes(): np.array(fa.sequence(i)[1]) for i in range(len(fa))}
     shared = [i for i in range(len(fb)) if fb.sequence(i)[0].tobytes() in rows]

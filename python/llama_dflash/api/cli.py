@@ -251,14 +251,15 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
-              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init"):
+              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
     if (spec.prompts < 0 or spec.max_sequences < 0 or spec.sampled_every < 0 or spec.samples < 1
             or spec.max_new < 1 or spec.v1_steps < 1 or spec.v2_steps < 1 or spec.block_size < 2 or spec.n_layer < 1
-            or spec.draft_vocab < 0 or spec.tune_steps < 0):
-        raise ValueError("--prompts, --sampled-every, --max-sequences, --draft-vocab and --tune-steps must be >= 0; "
+            or spec.draft_vocab < 0 or spec.tune_steps < 0 or spec.top_k < 0):
+        raise ValueError("--prompts, --sampled-every, --max-sequences, --draft-vocab, --tune-steps and --top-k must be "
+                         ">= 0; "
                          "--samples, --max-new, --v1-steps, --v2-steps and --n-layer >= 1; --block-size >= 2")
     s = run(a.out, spec)
     if a.json:
@@ -496,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
     t.add_argument("--tune-steps", type=_int(-_I32), default=None,
                    help="DFlash2 steps continued in the draft vocabulary (default 10800; 0 = none)")
+    t.add_argument("--feature-format", default=None, choices=["q8", "f16"],
+                   help="features on disk: 8-bit rows (default, 2.9 KB per token for SmolLM2's 5 taps) or fp16")
+    t.add_argument("--top-k", type=_int(-_I32), default=None,
+                   help="the target's top-k next-token log-probabilities kept per position (default 32; 0 = none)")
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
                         "only the tuning stage on this run's data")

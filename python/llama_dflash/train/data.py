@@ -1,18 +1,19 @@
-"""Training data on disk: the target's responses and their captured features.
+"""Training data on disk: the target's responses and, from the same pass, its features.
 
 Layout of a data directory (every stage resumable: finished work is skipped):
 
-- ``responses.jsonl`` — one line per finished generation (prompt key, source,
-  temperature, prompt ids, response ids), appended as sequences finish.
-- ``tokens.npy`` / ``index.npy`` — all sequences' ids concatenated (int32) and, per
-  sequence, [token offset, length, response start, temperature * 1000, held out].
-- ``features.f16`` — fp16 rows [n_tokens, n_taps * n_embd] from the package's C capture;
-  ``features.done`` says which sequences they cover and for which target and taps (when
-  responses are added, the sequences already captured are copied, not captured again).
+- ``responses.jsonl`` -- one line per finished generation (prompt key, source,
+  temperature, sample, prompt ids, response ids), appended as sequences finish.
+- ``rows/`` -- a ``RowStore`` (train/store.py): every generated sequence's tokens, the
+  target's tapped features and its top-k next-token log-probabilities, captured in the
+  decodes that generated it (one target pass per sequence).  Responses without rows (a
+  directory from before one-pass capture, an interrupted run) are captured in a second pass.
+- ``index.npy`` -- the training set: per sequence [store row, length, response start,
+  temperature * 1000, held out].
 
-Features are stored rather than recomputed: the 2 cores that train would otherwise
-also run a target forward per step, and fp16 rows cost 5.8 KB per token for 5 taps of
-576 (≈ 2 GB for the shipped run), which this machine's disk holds easily.
+Features are stored rather than recomputed: the 2 cores that train would otherwise also
+run a target forward per step.  8-bit rows (format ``q8``) cost 2.9 KB per token for 5 taps
+of 576, fp16 rows 5.8 KB.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,9 @@ import numpy as np
 
 from ..core import Tokenizer
 from ..core.batchgen import BatchGenerator, Job
+from ..formats.hf import read_target
 from .prompts import Prompt, chatml
+from .store import RowStore, StoreMismatch
 
 
 @dataclass
@@ -44,8 +47,10 @@ class DataSpec:
     temperature: float = 0.7
     n_seq: int = 8                  # sequences per decode
     held_out: float = 0.03          # fraction of prompts kept for validation
-    max_sequences: int = 0          # features (and training) for at most this many sequences (0 = all)
+    max_sequences: int = 0          # train on at most this many sequences (0 = all)
     seed: int = 0
+    feature_format: str = "q8"      # rows on disk: "q8" (8-bit, per-channel standardised) or "f16"
+    top_k: int = 32                 # target log-probabilities kept per position (0 = none)
 
 
 class Progress:
@@ -72,19 +77,15 @@ class Progress:
         sys.stderr.flush()
 
 
-def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log=print) -> Path:
-    """Stage 1: the target's greedy (and some sampled) responses, batched; appends to responses.jsonl."""
+def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log=print,
+                       reuse: Sequence[Path] = ()) -> Path:
+    """Stage 1: the target's greedy (and some sampled) responses, batched, with every position's
+    features and top-k log-probabilities from the same decodes; appends to responses.jsonl and
+    the row store (a new one encodes as the first of `reuse`'s stores, whose rows then copy as
+    they are)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "responses.jsonl"
-    done = set()
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by an interrupted run
-                    continue
-                done.add(_rid(r))
+    done = {_rid(r) for r in _read_responses(path)} if path.is_file() else set()
     jobs, meta = [], {}
     with Tokenizer(spec.target) as tok:  # released before the generator loads the model
         for i, p in enumerate(prompts):
@@ -100,19 +101,50 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
                 jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i + k * 100_003))
     if not jobs:
         return path
-    log(f"generating {len(jobs)} responses ({len(done)} already done), {spec.n_seq} sequences per decode")
+    store = open_store(out, spec, reuse)
+    store.check_space(sum(len(j.prompt) + spec.max_new for j in jobs))
+    log(f"generating {len(jobs)} responses ({len(done)} already done), {spec.n_seq} sequences per decode, "
+        f"features ({spec.feature_format}) and top-{spec.top_k} log-probabilities in the same pass")
     bar = Progress(len(jobs), "generate")
     n_tok = 0
-    with BatchGenerator(spec.target, n_seq=spec.n_seq, max_len=spec.max_prompt + spec.max_new) as g, \
-            open(path, "a", encoding="utf-8") as f:
-        for c in g.run(jobs, spec.max_new):
-            p, k = meta[c.key]
-            f.write(json.dumps({"key": p.key, "source": p.source, "temperature": c.temperature, "sample": k,
-                                "prompt": c.prompt, "response": c.response}) + "\n")
-            f.flush()
-            n_tok += len(c.response)
-            bar.update(1, f"{n_tok / max(1e-9, time.time() - bar.t0):.0f} tok/s")
+    try:
+        with BatchGenerator(spec.target, n_seq=spec.n_seq, max_len=spec.max_prompt + spec.max_new,
+                            capture_layers=spec.taps, top_k=spec.top_k) as g, \
+                open(path, "a", encoding="utf-8") as f:
+            for c in g.run(jobs, spec.max_new):
+                p, k = meta[c.key]
+                r = {"key": p.key, "source": p.source, "temperature": c.temperature, "sample": k,
+                     "prompt": c.prompt, "response": c.response}
+                f.write(json.dumps(r) + "\n")
+                f.flush()  # the response first: one whose rows are lost is captured by build_features
+                store.add(_rid(r), c.prompt + c.response, c.features, c.top_ids, c.top_logp)
+                n_tok += len(c.response)
+                bar.update(1, f"{n_tok / max(1e-9, time.time() - bar.t0):.0f} tok/s")
+    finally:
+        store.flush()
     return path
+
+
+def _read_responses(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interrupted run
+                continue
+
+
+def open_store(out: Path, spec: DataSpec, reuse: Sequence[Path] = ()) -> RowStore:
+    """The directory's row store for the spec's target, taps, format and top-k (rows made with
+    other settings are deleted: their sequences are captured again).  A new q8 store takes the
+    statistics of the first of `reuse`'s stores with the same capture."""
+    info = read_target(spec.target)
+    store = RowStore.replace(out / "rows", _capture_id(spec), len(spec.taps) * info.n_embd, len(spec.taps),
+                             spec.feature_format, spec.top_k)
+    for src in _stores(reuse, store):
+        if store.adopt_statistics(src):
+            break
+    return store
 
 
 def _runs(spec: DataSpec, i: int) -> list[tuple[float, int]]:
@@ -155,11 +187,11 @@ def _layout(tokens: np.ndarray, index: np.ndarray) -> str:
     return f"{zlib.crc32(tokens.tobytes()):08x}{zlib.crc32(index.tobytes()):08x}-{len(index)}-{len(tokens)}"
 
 
-def _read_state(out: Path) -> dict | None:
-    """The features on disk: their layout (tokens, index), capture id, width and which sequences
-    are complete; None when there are none or they cannot be trusted.  ``features.done`` is JSON;
-    a bare count (older runs) means that many leading sequences of the stored layout, captured by
-    this run's own settings (a run directory refuses other settings)."""
+def _read_legacy(out: Path) -> dict | None:
+    """Features of the layout before row stores (``tokens.npy`` / ``index.npy`` / ``features.f16``
+    / ``features.done``): their tokens, index, capture id, width and which sequences are complete;
+    None when there are none or they cannot be trusted.  A bare count in ``features.done`` means
+    that many leading sequences, captured by the directory's own settings."""
     state, feats = out / "features.done", out / "features.f16"
     if not (state.is_file() and feats.is_file() and (out / "tokens.npy").is_file() and (out / "index.npy").is_file()):
         return None
@@ -183,137 +215,128 @@ def _read_state(out: Path) -> dict | None:
     return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width, "path": feats}
 
 
-def _usable(st: dict, capture: dict, width: int) -> bool:
-    """Whether features recorded in state `st` were captured as this capture would (an older
-    state without a capture id is trusted: its run directory refused other settings)."""
-    return st["capture"] in (None, capture) and st["width"] == width
+_LEGACY = ("features.f16", "features.done", "tokens.npy")
 
 
-def _write_state(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int,
-                 done: np.ndarray) -> None:
-    tmp = out / "features.done.tmp"
-    tmp.write_text(json.dumps({"layout": _layout(tokens, index), "capture": capture, "width": width,
-                               "done": np.flatnonzero(done).tolist()}))
-    tmp.replace(out / "features.done")
-
-
-def _check_disk(out: Path, need: int) -> None:
-    """The feature file is sparse and memory-mapped: running out of disk while its pages are
-    written kills the process (SIGBUS), so the space is checked before it is created."""
-    import shutil
-
-    free = shutil.disk_usage(out).free
-    if free < need:
-        raise ValueError(f"features for this data need {need / 2**30:.1f} GiB in {out}, only {free / 2**30:.1f} GiB "
-                         "free (--max-sequences or fewer --prompts make them smaller)")
-
-
-def _new_layout(out: Path, tokens: np.ndarray, index: np.ndarray, capture: dict, width: int, olds: list[dict],
-                log) -> np.ndarray:
-    """Start features for a changed set of sequences, copying the rows of every sequence whose
-    tokens an earlier capture (same target and taps; this directory's or another's) already
-    covered: a sequence's features depend only on its own tokens, so a grown data set captures
-    its new sequences only."""
-    done = np.zeros(len(index), bool)
-    tmp = out / "features.f16.tmp"
-    _check_disk(out, 2 * width * max(1, len(tokens)))
-    feats = np.memmap(tmp, np.float16, "w+", shape=(max(1, len(tokens)), width))
-    have, srcs = {}, []
-    for old in olds:
-        if _usable(old, capture, width):
-            srcs.append(np.memmap(old["path"], np.float16, "r", shape=(max(1, len(old["tokens"])), width)))
+def _sources(dirs: Sequence[Path], store: RowStore) -> Iterator[tuple[np.ndarray, Callable[[tuple], None]]]:
+    """(tokens, rid -> add that sequence's rows to the store) for every sequence captured in `dirs` as
+    the store would capture it (same target and taps): their row stores and layouts before those."""
+    for src in _stores(dirs, store):
+        for row, n in src.refs.values():
+            yield src.tokens(row, n), (lambda rid, row=row, n=n, src=src: store.add_rows(src, rid, row, n))
+    for d in dirs:
+        old = _read_legacy(d)
+        if old is not None and old["capture"] in (None, store.meta["capture"]) and old["width"] == store.width:
+            f = np.memmap(old["path"], np.float16, "r", shape=(max(1, len(old["tokens"])), old["width"]))
             for j in np.flatnonzero(old["done"]):
                 o, n = (int(x) for x in old["index"][j, :2])
-                have.setdefault(old["tokens"][o:o + n].tobytes(), (srcs[-1], o))
-    for i in range(len(index)):
-        o, n = (int(x) for x in index[i, :2])
-        src = have.get(tokens[o:o + n].tobytes())
-        if src is not None:
-            feats[o:o + n] = src[0][src[1]:src[1] + n]
-            done[i] = True
-    del have, srcs
-    if done.any():
-        log(f"features: {int(done.sum())} of {len(index)} sequences carried over from the earlier capture")
-    feats.flush()
-    del feats
-    # the old state goes first: a crash in between leaves no state (a fresh start), never a stale one
-    (out / "features.done").unlink(missing_ok=True)
-    tmp.replace(out / "features.f16")
-    np.save(out / "tokens.npy", tokens)
-    np.save(out / "index.npy", index)
-    _write_state(out, tokens, index, capture, width, done)
-    return done
+                toks = old["tokens"][o:o + n]
+                yield toks, (lambda rid, o=o, n=n, f=f, toks=toks:
+                             store.add(rid, toks, np.asarray(f[o:o + n], np.float32)))
+
+
+def _stores(dirs: Sequence[Path], store: RowStore) -> Iterator[RowStore]:
+    """The row stores of `dirs` (other than `store`) with the same target and taps."""
+    for d in dirs:
+        rp = Path(d) / "rows"
+        if not (rp / "meta.json").is_file() or rp.resolve() == store.path.resolve():
+            continue
+        try:
+            src = RowStore.open(rp)
+        except (StoreMismatch, ValueError, KeyError, OSError):
+            continue
+        if (src.meta["capture"], src.width) == (store.meta["capture"], store.width):
+            yield src
 
 
 def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None = None, log=print,
                    reuse: Sequence[Path] = ()) -> None:
-    """Stage 2: pack the responses the spec asks for `prompts` (default: every response on file; a
-    directory may hold more, e.g. samples of an earlier, larger run) and capture their features with
-    the C capture (fp16 on disk).  Resumable, and incremental when responses were added; `reuse`:
-    other data directories (same target and taps) whose captured sequences are copied."""
+    """Stage 2: the training set (``index.npy``): the responses the spec asks for `prompts` (default:
+    every response on file; a directory may hold more, e.g. samples of an earlier, larger run), in a
+    fixed pseudo-random order, each with its rows in the store.  Rows the generation did not capture
+    (older directories, an interrupted run) are copied from an earlier capture of the same sequence
+    (this directory's older layout, or `reuse`: other data directories of the same target and taps),
+    else captured now in a second target pass (without top-k log-probabilities)."""
     from ..core.generator import SpeculativeGenerator
 
     want = None if prompts is None else wanted(spec, prompts)
     recs, seen = [], set()
-    with open(out / "responses.jsonl", encoding="utf-8") as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rid = _rid(r)
-            if (want is None or rid in want) and rid not in seen:
-                seen.add(rid)
-                recs.append(r)
+    for r in _read_responses(out / "responses.jsonl"):
+        rid = _rid(r)
+        if (want is None or rid in want) and rid not in seen:
+            seen.add(rid)
+            recs.append(r)
     # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
     recs.sort(key=_order)
     if spec.max_sequences:
         recs = recs[: spec.max_sequences]
-    lengths = [len(r["prompt"]) + len(r["response"]) for r in recs]
-    offs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    index = np.array([[offs[i], lengths[i], len(r["prompt"]), round(r["temperature"] * 1000),
-                       _held_out(r["key"], spec.held_out)] for i, r in enumerate(recs)], np.int64).reshape(-1, 5)
-    tokens = np.concatenate([np.asarray(r["prompt"] + r["response"], np.int32) for r in recs]) if recs else \
-        np.zeros(0, np.int32)
-    capture = _capture_id(spec)
-    with SpeculativeGenerator(spec.target, capture_layers=spec.taps, n_ctx=max(lengths, default=1) + 8,
-                              n_batch=512) as g:
-        width = g.feature_width
-        old = _read_state(out)
-        same = (old is not None and _usable(old, capture, width) and np.array_equal(old["index"], index)
-                and np.array_equal(old["tokens"], tokens))
-        olds = [st for st in [old, *map(_read_state, map(Path, reuse))] if st is not None]
-        done = old["done"] if same else _new_layout(out, tokens, index, capture, width, olds, log)
-        del old, olds
-        feats = np.memmap(out / "features.f16", np.float16, "r+", shape=(max(1, len(tokens)), width))
-        todo = np.flatnonzero(~done)
-        bar = Progress(len(todo), "features")
-        for k, i in enumerate(todo):
-            o, n = int(index[i, 0]), int(index[i, 1])
-            feats[o:o + n] = g.features(tokens[o:o + n].tolist()).astype(np.float16)
-            done[i] = True
-            if (k + 1) % 50 == 0:
-                feats.flush()
-                _write_state(out, tokens, index, capture, width, done)
-            bar.update(1)
-        feats.flush()
-        del feats
-    _write_state(out, tokens, index, capture, width, done)
-    log(f"features: {len(recs)} sequences ({len(todo)} captured now), {len(tokens)} tokens, "
-        f"{width} values per token (fp16)")
+    store = open_store(out, spec, reuse)
+
+    def has_rows(r: dict) -> bool:
+        ref = store.refs.get(_rid(r))
+        return ref is not None and np.array_equal(store.tokens(*ref), r["prompt"] + r["response"])
+
+    missing = [r for r in recs if not has_rows(r)]
+    todo: list[dict] = []
+    try:
+        if missing:
+            by_tokens: dict[bytes, list[dict]] = {}
+            for r in missing:
+                by_tokens.setdefault(np.asarray(r["prompt"] + r["response"], np.int32).tobytes(), []).append(r)
+            copied = 0
+            for toks, copy in _sources([out, *map(Path, reuse)], store):
+                for r in by_tokens.pop(np.asarray(toks, np.int32).tobytes(), []):
+                    copy(_rid(r))
+                    copied += 1
+            store.flush()
+            if copied:
+                log(f"features: {copied} of {len(recs)} sequences carried over from an earlier capture")
+            todo = [r for r in missing if not has_rows(r)]
+        if todo:
+            lengths = [len(r["prompt"]) + len(r["response"]) for r in todo]
+            store.check_space(sum(lengths))
+            with SpeculativeGenerator(spec.target, capture_layers=spec.taps, n_ctx=max(lengths) + 8,
+                                      n_batch=512) as g:
+                bar = Progress(len(todo), "features")
+                for r in todo:
+                    toks = r["prompt"] + r["response"]
+                    store.add(_rid(r), toks, g.features(toks))
+                    bar.update(1)
+    finally:
+        store.flush()
+    index = np.array([[*store.refs[_rid(r)], len(r["prompt"]), round(r["temperature"] * 1000),
+                       _held_out(r["key"], spec.held_out)] for r in recs], np.int64).reshape(-1, 5)
+    tmp = out / "index.tmp.npy"
+    np.save(tmp, index)
+    tmp.replace(out / "index.npy")
+    legacy = [n for n in _LEGACY if (out / n).exists()]
+    for n in legacy:  # every sequence the training set needs is in the store now
+        (out / n).unlink()
+    if legacy:
+        log(f"features: the layout before row stores ({', '.join(legacy)}) removed from {out}")
+    log(f"features: {len(recs)} sequences ({len(todo)} captured in a second pass), {int(index[:, 1].sum())} "
+        f"tokens, {store.width} values per token ({spec.feature_format}, {store.bytes_per_row} bytes per row)")
 
 
 class Dataset:
-    """Read-only view of a data directory (memory-mapped features)."""
+    """Read-only view of a data directory's training set (rows from its store, memory-mapped); a
+    directory of the layout before row stores is read as it is."""
 
     def __init__(self, out: str | os.PathLike) -> None:
         out = Path(out)
-        self.tokens = np.load(out / "tokens.npy")
         self.index = np.load(out / "index.npy")
-        n = len(self.tokens)
-        size = (out / "features.f16").stat().st_size
-        self.width = size // (2 * max(1, n))
-        self.features = np.memmap(out / "features.f16", np.float16, "r", shape=(max(1, n), self.width))
+        self.store = RowStore.open(out / "rows") if (out / "rows" / "meta.json").is_file() else None
+        if self.store is not None:
+            self.width = self.store.width
+            self.bytes_per_token = self.store.bytes_per_row
+            self.top_k = self.store.top_k
+        else:
+            tokens = np.load(out / "tokens.npy")
+            self._tokens = tokens
+            self.width = (out / "features.f16").stat().st_size // (2 * max(1, len(tokens)))
+            self._features = np.memmap(out / "features.f16", np.float16, "r", shape=(max(1, len(tokens)), self.width))
+            self.bytes_per_token = 2 * self.width + 4
+            self.top_k = 0
         self.train_ids = [i for i in range(len(self.index)) if not self.index[i, 4]]
         self.val_ids = [i for i in range(len(self.index)) if self.index[i, 4]]
 
@@ -321,10 +344,19 @@ class Dataset:
         return len(self.index)
 
     def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """(token ids [L], fp16 features [L, width], response start)."""
+        """(token ids [L], float32 features [L, width], response start)."""
         o, n, start = (int(x) for x in self.index[i, :3])
-        return self.tokens[o:o + n], self.features[o:o + n], start
+        if self.store is None:
+            return self._tokens[o:o + n], np.asarray(self._features[o:o + n], np.float32), start
+        return self.store.tokens(o, n), self.store.features(o, n), start
+
+    def top(self, i: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Sequence i's top-k next-token ids [L, k] (-1 where none) and log-probabilities, or None."""
+        if not self.top_k:
+            return None
+        o, n = (int(x) for x in self.index[i, :2])
+        return self.store.top(o, n)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tokens)
+        return int(self.index[:, 1].sum()) if len(self.index) else 0

@@ -2,7 +2,8 @@
 
 Stages, each skipped when its output exists (so an interrupted run picks up where it
 stopped; added responses capture only their new sequences): data (the target's responses,
-batched) -> features (C capture, fp16 on disk) -> DFlash v1 training -> DFlash2 training
+batched, features and top-k log-probabilities captured in the same pass) -> features (the training set; a
+second pass only for responses without rows) -> DFlash v1 training -> DFlash2 training
 (v1 weights, identity convolutions, fresh selector, joint unary + selector loss) -> DFlash2
 tuned (continued at a lower learning rate) -> HF export (config.json + model.safetensors, the
 z-lab layout) -> GGUF through the converter (the path downloaded drafters take) -> the draft
@@ -41,8 +42,7 @@ class RunSpec:
     prompts: int = 0                    # training prompts (0 = all)
     max_new: int = 192
     n_seq: int = 8
-    max_sequences: int = 0              # use at most this many generated sequences (0 = all): feature capture
-                                        # is a second target pass over the data, as slow as generating it
+    max_sequences: int = 0              # train on at most this many generated sequences (0 = all)
     sampled_every: int = 1              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
     samples: int = 1                    # sampled responses per such prompt
     taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
@@ -69,6 +69,8 @@ class RunSpec:
                                         # data (0 = the target's whole vocabulary); cuts the head's cost
     tune_steps: int = 10800             # DFlash2 continued at a lower learning rate (every stage scores in the
     tune_lr: float = 3e-4               # draft vocabulary: a step costs under half a full-vocabulary one)
+    feature_format: str = "q8"          # features on disk: "q8" (8-bit rows) or "f16"
+    top_k: int = 32                     # the target's top-k log-probabilities kept per position (0 = none)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
 
@@ -267,21 +269,23 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
 
     data_dir = out / "data"
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
-                     max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples)
+                     max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples,
+                     feature_format=spec.feature_format, top_k=spec.top_k)
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None)
     reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] else []
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
         say(f"responses: starting from the {reuse[0]} ones")
-    stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say))  # both resume / no-op when done
+    # both resume / no-op when done
+    stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say, reuse=reuse))
     stage("features", lambda: build_features(data_dir, dspec, prompts, log=say, reuse=reuse))
     ds = Dataset(data_dir)
     resp = int(sum(ds.index[:, 1] - ds.index[:, 2]))
     summary["data"] = {"sequences": len(ds), "tokens": ds.n_tokens, "response_tokens": resp,
                        "train_sequences": len(ds.train_ids), "held_out_sequences": len(ds.val_ids),
                        "sampled_sequences": int((ds.index[:, 3] > 0).sum()),
-                       "features_bytes": ds.n_tokens * ds.width * 2,
+                       "features_bytes": ds.n_tokens * ds.bytes_per_token,
                        "prompt_sources": sorted({p.source for p in prompts})}
     say(f"data: {summary['data']}")
 
