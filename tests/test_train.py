@@ -235,3 +235,41 @@ def test_whitened_features_fold_into_fc_on_export():
     toks, embed, a = torch.randint(20, 1000, (30,)), torch.randn(1024, cfg.n_embd), torch.tensor([4, 12, 20])
     torch.testing.assert_close(T.block_hidden(model, feats, toks, a, embed),
                                T.block_hidden(plain, feats, toks, a, embed), rtol=1e-4, atol=1e-4)
+
+
+def test_distillation_loss_is_the_cross_entropy_against_the_targets_top_k():
+    """soft_ce: slot k against the target's distribution at position a + k - 1 (its top-k,
+    renormalised over the tokens the head scores); one-hot rows give the hard loss, positions
+    without top-k rows fall back to it, and a trainer with distill > 0 steps on it."""
+    model = _selector_model()
+    torch.manual_seed(3)
+    embed, feats = torch.randn(1024, model.cfg.n_embd), torch.randn(40, 3 * model.cfg.n_embd)
+    toks, anchors = torch.randint(20, 1000, (40,)), torch.tensor([5, 17, 30])
+    ids, logp = np.full((40, 4), -1, np.int32), np.zeros((40, 4), np.float32)
+    ids[:-1, 0] = toks[1:].numpy()  # one-hot on the next token: exactly the hard loss
+    r = T.block_losses(model, toks, feats, anchors, embed, embed, soft=(ids, logp))
+    torch.testing.assert_close(r["soft_ce"], r["ce"], rtol=1e-5, atol=1e-5)
+    # a two-token distribution at one position; no rows at another (hard loss there)
+    ids[17] = [7, 8, -1, -1]
+    logp[17] = [np.log(0.56), np.log(0.24), 0, 0]  # renormalised: 0.7 / 0.3
+    ids[30] = -1
+    r = T.block_losses(model, toks, feats, anchors, embed, embed, soft=(ids, logp))
+    z = T.block_hidden(model, feats, toks, anchors, embed)
+    lq = torch.log_softmax(z @ embed.T, -1)
+    torch.testing.assert_close(r["soft_ce"][1, 0], -(0.7 * lq[1, 0, 7] + 0.3 * lq[1, 0, 8]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r["soft_ce"][2, 0], r["ce"][2, 0])
+    assert not torch.allclose(r["soft_ce"][1, 0], r["ce"][1, 0])
+    # a reduced head: top-k tokens outside it drop out and the rest renormalise
+    keep = torch.cat([torch.tensor([7]), torch.arange(20, 1000)])
+    r = T.block_losses(model, toks, feats, anchors, embed, embed[keep], vocab=keep, soft=(ids, logp))
+    lq = torch.log_softmax(z @ embed[keep].T, -1)
+    torch.testing.assert_close(r["soft_ce"][1, 0], -lq[1, 0, 0], rtol=1e-4, atol=1e-4)
+
+    class Source(T._Samples):
+        def top(self, i):
+            return ids, logp
+
+    tc = T.TrainConfig(steps=2, lr=1e-3, seqs_per_step=1, anchors_per_seq=3, bf16_head=False, distill=0.5)
+    tr = T.Trainer(model, Source([T.Sample(toks.numpy(), feats.numpy(), 2)]), [0], embed, embed, tc)
+    m = tr.train_step()
+    assert np.isfinite(m["loss"]) and tr.step == 1

@@ -251,7 +251,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
-              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k"):
+              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k",
+              "distill"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -501,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="features on disk: 8-bit rows (default, 2.9 KB per token for SmolLM2's 5 taps) or fp16")
     t.add_argument("--top-k", type=_int(-_I32), default=None,
                    help="the target's top-k next-token log-probabilities kept per position (default 32; 0 = none)")
+    t.add_argument("--distill", type=_float("distill", 0.0, 1.0), default=None,
+                   help="weight of the loss against the target's top-k distribution (default 0: the generated "
+                        "tokens only; needs --top-k > 0)")
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
                         "only the tuning stage on this run's data")

@@ -98,7 +98,8 @@ def _logits(model: DFlashReference, z: torch.Tensor, head: torch.Tensor) -> torc
 
 
 def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                 embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor | None = None,
+                 soft: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Per-slot losses and hits of the blocks at `anchors` of one sequence (docs/architecture.md §6.2-6.3, §6.5).
 
     Unary: cross-entropy of slot k against x_{a+k}.  DFlash2 selector (teacher forced):
@@ -108,6 +109,11 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
     ``vocab``: the target ids of head's rows when head is a reduced draft vocabulary (the
     d2t order).  Softmax, top-K and argmax then run over those rows, as the drafter does at
     run time; a label outside them is not trained on and counts as a miss.
+
+    ``soft``: the target's top-k next-token ids and log-probabilities per position ([L, k] each,
+    ids -1 where none: ``Dataset.top``).  Then ``soft_ce`` is the cross-entropy of slot k against
+    the target's distribution at position a + k - 1, renormalised over its top-k tokens (those in
+    the draft vocabulary), the hard ``ce`` where a position has none: distillation.
     """
     B = model.cfg.block_size
     z = block_hidden(model, features, tokens, anchors, embed)                   # [A, B-1, H]
@@ -120,6 +126,19 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                            reduction="none").view_as(labels)
     out = {"ce": ce, "hit": logits.detach().argmax(-1) == labels}
+    if soft is not None:
+        rows = anchors[:, None] + torch.arange(0, B - 1)[None, :]              # position predicting slot k
+        sid = torch.as_tensor(np.asarray(soft[0]), dtype=torch.long)[rows]     # [A, B-1, k] target ids
+        p = torch.as_tensor(np.asarray(soft[1]), dtype=torch.float32)[rows].exp()
+        valid = sid >= 0
+        if vocab is not None:
+            sid = torch.where(valid, t2d[sid.clamp_min(0)], -1)
+            valid = sid >= 0
+        p = torch.where(valid, p, torch.zeros_like(p))
+        mass = p.sum(-1, keepdim=True)
+        logq = torch.log_softmax(logits, -1).gather(-1, sid.clamp_min(0))
+        soft_ce = -(p / mass.clamp_min(1e-20) * torch.where(valid, logq, torch.zeros_like(logq))).sum(-1)
+        out["soft_ce"] = torch.where(mass[..., 0] > 0, soft_ce, ce)
     sel = getattr(model, "candidate_selector", None)
     if sel is not None:
         K = sel.top_k
@@ -143,15 +162,17 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
 
 
 def sequence_losses(model: DFlashReference, source, i: int, n_anchors: int, rng: np.random.Generator,
-                    embed: torch.Tensor, head: torch.Tensor,
-                    vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
-    """block_losses at up to n_anchors random anchors of sequence i of a source (None: too short)."""
+                    embed: torch.Tensor, head: torch.Tensor, vocab: torch.Tensor | None = None,
+                    soft: bool = False) -> dict[str, torch.Tensor] | None:
+    """block_losses at up to n_anchors random anchors of sequence i of a source (None: too short);
+    with `soft`, against the source's top-k log-probabilities where it has them."""
     toks, feats, start = source.sequence(i)
     a = _anchors(len(toks), start, model.cfg.block_size, n_anchors, rng)
     if len(a) == 0:
         return None
+    top = source.top(i) if soft and hasattr(source, "top") else None
     return block_losses(model, torch.as_tensor(np.asarray(toks, np.int64)),
-                        torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head, vocab)
+                        torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(a), embed, head, vocab, top)
 
 
 def _anchors(length: int, start: int, block: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -197,6 +218,7 @@ class TrainConfig:
     warmup: float = 0.04
     weight_decay: float = 0.0
     seed: int = 0
+    distill: float = 0.0         # weight of the soft (target top-k) cross-entropy; 1 - distill: the hard one
     eval_every: int = 0          # steps between held-out evaluations (0 = only at the end)
     ckpt_every: int = 0          # steps between checkpoints (0 = only at the end)
     bf16_head: bool = True
@@ -276,11 +298,13 @@ class Trainer:
         total = None
         hits, sel_hits, recall, n_blocks = [], [], [], 0
         for i in self._next_ids():
+            lam = self.tc.distill
             r = sequence_losses(self.model, self.source, i, self.tc.anchors_per_seq, self.rng, self.embed, self.head,
-                                self.vocab)
+                                self.vocab, soft=lam > 0)
             if r is None:
                 continue
-            loss = (r["ce"] * w).sum()
+            ce = r["ce"] if "soft_ce" not in r else (1 - lam) * r["ce"] + lam * r["soft_ce"]
+            loss = (ce * w).sum()
             if "sel_ce" in r:
                 loss = loss + self.tc.alpha_sel * (r["sel_ce"] * w).sum()
                 sel_hits.append(r["sel_hit"])

@@ -71,6 +71,7 @@ class RunSpec:
     tune_lr: float = 3e-4               # draft vocabulary: a step costs under half a full-vocabulary one)
     feature_format: str = "q8"          # features on disk: "q8" (8-bit rows) or "f16"
     top_k: int = 32                     # the target's top-k log-probabilities kept per position (0 = none)
+    distill: float = 0.0                # weight of the loss against those (1 - distill: the sampled token's)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
 
@@ -119,6 +120,10 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"selector_top_k {K} needs a hidden size >= K(K+1) = {K * (K + 1)} (target: {E})")
     if 0 < spec.draft_vocab < K:
         raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
+    if spec.distill and not spec.top_k:
+        raise ValueError("distillation (distill > 0) trains on the target's top-k log-probabilities: top_k must be >= 1")
+    if spec.feature_format not in ("q8", "f16"):
+        raise ValueError(f"feature_format must be q8 or f16, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
         raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
 
@@ -318,7 +323,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
             model.load_state_dict(states["v2"])
         vocab = torch.as_tensor(keep) if keep is not None else None  # every stage scores in the draft vocabulary
         tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=spec.seqs_per_step, anchors_per_seq=spec.anchors_per_seq,
-                         seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every)
+                         seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every, distill=spec.distill)
         tr = Trainer(model, ds, ds.train_ids, embed, head, tc, checkpoint=out / f"ckpt-{name}.pt",
                      val_ids=ds.val_ids or ds.train_ids[:8], log=say, vocab=vocab)
         if init and tr.step == 0:  # where the earlier run's weights start on this run's held-out set
