@@ -121,7 +121,7 @@ def check_spec(spec: RunSpec, t: dict) -> None:
     if 0 < spec.draft_vocab < K:
         raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
     if spec.distill and not spec.top_k:
-        raise ValueError("distillation (distill > 0) trains on the target's top-k log-probabilities: top_k must be >= 1")
+        raise ValueError("distillation (distill > 0) trains on the target top-k log-probabilities: top_k must be >= 1")
     if spec.feature_format not in ("q8", "f16"):
         raise ValueError(f"feature_format must be q8 or f16, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
