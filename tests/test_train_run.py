@@ -243,3 +243,31 @@ def test_training_prompts_hold_out_humaneval():
     # the check would catch HumanEval text itself
     assert all(overlaps_humaneval(p["prompt"], names, lines) for p in problems)
     assert {p.source for p in train} == {"stdlib-code", "authored-code", "authored-general"}
+
+
+def test_package_and_raw_completion_prompt_sources(artifacts):
+    """More prompts, offline and licensed: documented functions of the BSD-licensed packages the
+    training extra installs (each licence read from the package's metadata) as chat prompts, and
+    stdlib + package functions as raw completion prompts (no chat template, tokenized as
+    create_completion does); HumanEval stays held out; the default mix is unchanged."""
+    from llama_dflash.core import Tokenizer
+    from llama_dflash.train.data import prompt_ids
+    from llama_dflash.train.prompts import DEFAULT_SOURCES, package_licences
+
+    lic = package_licences()
+    assert {"numpy", "sympy"} <= lic.keys() and all("BSD" in v for v in lic.values()), lic
+    more = training_prompts(sources=("package-code", "raw-code"))
+    by = {s: [p for p in more if p.source == s] for s in ("package-code", "raw-code")}
+    assert len(by["package-code"]) > 1000 and len(by["raw-code"]) > len(by["package-code"])
+    names, lines = _held_out_markers()
+    assert not any(overlaps_humaneval(p.text, names, lines) for p in more)
+    assert {p.key.split(".")[0] for p in by["package-code"]} >= {"numpy", "sympy"}
+    raw, chat = by["raw-code"][0], by["package-code"][0]
+    assert raw.raw and raw.render() == raw.text and raw.text.startswith("def ") and '"""' in raw.text
+    assert not chat.raw and chat.render().startswith("<|im_start|>system") and "```python" in chat.text
+    with Tokenizer(artifacts["llama"]["target"]) as tok:
+        assert prompt_ids(tok, chat) == tok.tokenize(chat.render().encode(), add_bos=False, special=True)
+        assert prompt_ids(tok, raw) == tok.tokenize(raw.text.encode(), add_bos=True, special=False)
+    assert [p.key for p in training_prompts(sources=DEFAULT_SOURCES)] == [p.key for p in training_prompts()]
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        training_prompts(sources=("nope",))

@@ -252,7 +252,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
               "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k",
-              "distill"):
+              "distill", "prompt_sources"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -505,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--distill", type=_float("distill", 0.0, 1.0), default=None,
                    help="weight of the loss against the target's top-k distribution (default 0: the generated "
                         "tokens only; needs --top-k > 0)")
+    t.add_argument("--prompt-sources", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+                   metavar="A,B", help="prompt sources (stdlib-code, authored, package-code, raw-code; default "
+                                       "stdlib-code,authored; docs/training-data.md)")
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
                         "only the tuning stage on this run's data")

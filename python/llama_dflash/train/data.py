@@ -32,7 +32,7 @@ import numpy as np
 from ..core import Tokenizer
 from ..core.batchgen import BatchGenerator, Job
 from ..formats.hf import read_target
-from .prompts import Prompt, chatml
+from .prompts import Prompt
 from .store import RowStore, StoreMismatch
 
 
@@ -89,7 +89,7 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
     jobs, meta = [], {}
     with Tokenizer(spec.target) as tok:  # released before the generator loads the model
         for i, p in enumerate(prompts):
-            ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
+            ids = prompt_ids(tok, p)
             if len(ids) > spec.max_prompt:
                 continue
             for t, k in _runs(spec, i):
@@ -123,6 +123,15 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
     finally:
         store.flush()
     return path
+
+
+def prompt_ids(tok: Tokenizer, p: Prompt) -> list[int]:
+    """A prompt's token ids as the serving path makes them: the chat template (its special tokens
+    parsed, no BOS of its own), or a raw completion prefix tokenized as ``create_completion`` does
+    (the vocabulary's BOS, text as text)."""
+    if p.raw:
+        return tok.tokenize(p.render().encode(), add_bos=True, special=False)
+    return tok.tokenize(p.render().encode(), add_bos=False, special=True)
 
 
 def _read_responses(path: Path) -> Iterator[dict]:

