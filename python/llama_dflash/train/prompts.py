@@ -119,27 +119,7 @@ def _collect_stdlib_functions() -> list[tuple[str, str, str]]:
                 mod = importlib.import_module(modname)
         except Exception:  # noqa: BLE001 - a module missing from this build of Python is simply skipped
             continue
-        members = list(vars(mod).items())
-        for cname, cls in list(members):
-            if inspect.isclass(cls) and getattr(cls, "__module__", None) == mod.__name__ and not cname.startswith("_"):
-                members += [(f"{cname}.{n}", f) for n, f in vars(cls).items()
-                            if inspect.isfunction(f) and not n.startswith("_")]
-        for name, fn in members:
-            if not inspect.isfunction(fn) or fn.__module__ != mod.__name__ or name.startswith("_"):
-                continue
-            doc = inspect.getdoc(fn)
-            if not doc or len(doc) < 40:
-                continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            q = f"{mod.__name__}.{name}"
-            if q in seen or len(sig) > 160:
-                continue
-            seen.add(q)
-            doc = doc.split("\n\n")[0] if len(doc) > 600 else doc
-            out.append((q, f"def {name.rsplit('.', 1)[-1]}{sig}:", doc))
+        out += _documented(mod, seen, lambda doc: doc.split("\n\n")[0] if len(doc) > 600 else doc)
     return out
 
 
@@ -214,20 +194,21 @@ def _collect_package_functions(packages: list[str]) -> list[tuple[str, str, str]
                                    if not re.search(r"(^|\.)(tests?|testing|_[^.]*|conftest|setup)(\.|$)",
                                                     m.name[len(pkg) + 1:]))
             found: list[tuple[str, str, str]] = []
+            seen: set[str] = set()
             for modname in names:
                 try:
                     mod = importlib.import_module(modname)
                 except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
                     continue
-                found += _documented(mod, {q for q, _, _ in found})
+                found += _documented(mod, seen, _package_doc)
         random.Random(pkg).shuffle(found)
         out += sorted(found[:_PER_PACKAGE])
     return out
 
 
-def _documented(mod, seen: set[str]) -> list[tuple[str, str, str]]:
-    """(qualified name, def line, first paragraphs of the docstring) of a module's own documented
-    functions and its classes' public methods."""
+def _documented(mod, seen: set[str], trim) -> list[tuple[str, str, str]]:
+    """(qualified name, def line, trim(docstring)) of a module's own documented functions and its
+    classes' public methods not in `seen` (added to it)."""
     out = []
     members = list(vars(mod).items())
     for cname, cls in list(members):
@@ -240,19 +221,23 @@ def _documented(mod, seen: set[str]) -> list[tuple[str, str, str]]:
         doc = inspect.getdoc(fn)
         if not doc or len(doc) < 40:
             continue
-        try:
-            sig = str(inspect.signature(fn))
+        try:  # (a default's repr may hold its address: dropped, so that prompts are the same every run)
+            sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn)))
         except (TypeError, ValueError):
             continue
         q = f"{mod.__name__}.{name}"
         if q in seen or len(sig) > 160:
             continue
         seen.add(q)
-        # numpydoc sections (Parameters, Returns, Examples ...) make prompts too long: the summary
-        doc = re.split(r"\n\s*\n(?=[A-Z][a-z]+\n-{3,})", doc)[0]
-        doc = "\n\n".join(doc.split("\n\n")[:2]) if len(doc) > 600 else doc
-        out.append((q, f"def {name.rsplit('.', 1)[-1]}{sig}:", doc[:800]))
+        out.append((q, f"def {name.rsplit('.', 1)[-1]}{sig}:", trim(doc)))
     return out
+
+
+def _package_doc(doc: str) -> str:
+    """numpydoc sections (Parameters, Returns, Examples ...) make prompts too long: the summary."""
+    doc = re.split(r"\n\s*\n(?=[A-Z][a-z]+\n-{3,})", doc)[0]
+    doc = "\n\n".join(doc.split("\n\n")[:2]) if len(doc) > 600 else doc
+    return doc[:800]
 
 
 def package_prompts() -> list[Prompt]:
