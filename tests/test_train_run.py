@@ -243,6 +243,7 @@ def test_training_prompts_hold_out_humaneval():
     # the check would catch HumanEval text itself
     assert all(overlaps_humaneval(p["prompt"], names, lines) for p in problems)
     assert {p.source for p in train} == {"stdlib-code", "authored-code", "authored-general"}
+    assert not any(re.search(r" at 0x[0-9a-fA-F]+", p.text) for p in train)  # the same text in every process
 
 
 def test_package_and_raw_completion_prompt_sources(artifacts):
