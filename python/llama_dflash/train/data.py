@@ -108,6 +108,7 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
     bar = Progress(len(jobs), "generate")
     n_tok = 0
     try:
+        _end_line(path)
         with BatchGenerator(spec.target, n_seq=spec.n_seq, max_len=spec.max_prompt + spec.max_new,
                             capture_layers=spec.taps, top_k=spec.top_k) as g, \
                 open(path, "a", encoding="utf-8") as f:
@@ -132,6 +133,15 @@ def prompt_ids(tok: Tokenizer, p: Prompt) -> list[int]:
     if p.raw:
         return tok.tokenize(p.render().encode(), add_bos=True, special=False)
     return tok.tokenize(p.render().encode(), add_bos=False, special=True)
+
+
+def _end_line(path: Path) -> None:
+    """A file cut inside its last line gets a newline: what is appended starts a line of its own."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def _read_responses(path: Path) -> Iterator[dict]:
@@ -179,6 +189,8 @@ def _order(r: dict) -> tuple:
 
 
 def _held_out(key: str, frac: float) -> bool:
+    """Whether a prompt key is held out (a raw completion prompt goes with its chat twin)."""
+    key = key.removeprefix("raw:")
     return (zlib.crc32(key.encode()) % 10_000) < frac * 10_000
 
 
@@ -224,7 +236,7 @@ def _read_legacy(out: Path) -> dict | None:
     return {"tokens": tokens, "index": index, "done": done, "capture": capture, "width": width, "path": feats}
 
 
-_LEGACY = ("features.f16", "features.done", "tokens.npy")
+_LEGACY = ("features.done", "features.f16", "tokens.npy")  # (the state first: see build_features)
 
 
 def _sources(dirs: Sequence[Path], store: RowStore) -> Iterator[tuple[np.ndarray, Callable[[tuple], None]]]:
@@ -315,16 +327,32 @@ def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None =
         store.flush()
     index = np.array([[*store.refs[_rid(r)], len(r["prompt"]), round(r["temperature"] * 1000),
                        _held_out(r["key"], spec.held_out)] for r in recs], np.int64).reshape(-1, 5)
+    # every sequence the training set needs is in the store now; the older layout's state goes first
+    # (without it the older files are not read), then the new index replaces the older one
+    legacy = [n for n in _LEGACY if (out / n).exists()]
+    for n in legacy:
+        (out / n).unlink()
     tmp = out / "index.tmp.npy"
     np.save(tmp, index)
     tmp.replace(out / "index.npy")
-    legacy = [n for n in _LEGACY if (out / n).exists()]
-    for n in legacy:  # every sequence the training set needs is in the store now
-        (out / n).unlink()
     if legacy:
         log(f"features: the layout before row stores ({', '.join(legacy)}) removed from {out}")
+    cover = top_k_coverage(store, index) if spec.top_k else 0.0
     log(f"features: {len(recs)} sequences ({len(todo)} captured in a second pass), {int(index[:, 1].sum())} "
-        f"tokens, {store.width} values per token ({spec.feature_format}, {store.bytes_per_row} bytes per row)")
+        f"tokens, {store.width} values per token ({spec.feature_format}, {store.bytes_per_row} bytes per row)"
+        + (f"; top-{spec.top_k} log-probabilities at {100 * cover:.1f} % of the response positions" if spec.top_k
+           else ""))
+
+
+def top_k_coverage(store: RowStore, index: np.ndarray) -> float:
+    """The fraction of the training set's response positions with the target's top-k rows (rows
+    captured in a second pass, or copied from a capture without them, have none)."""
+    have = total = 0
+    for row, n, start in index[:, :3]:
+        ids = store.top(int(row) + int(start) - 1, int(n - start))[0]
+        have += int((ids[:, 0] >= 0).sum())
+        total += int(n - start)
+    return have / max(1, total)
 
 
 class Dataset:

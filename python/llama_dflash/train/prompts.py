@@ -135,6 +135,7 @@ def stdlib_prompts() -> list[Prompt]:
 
 PACKAGES = ("numpy", "scipy", "sympy", "networkx", "mpmath")
 _PER_PACKAGE = 1500  # at most this many functions of one package (sympy alone documents several thousand)
+_COLLECTOR = 2       # the collector's version (part of its cache key)
 
 
 def package_licences() -> dict[str, str]:
@@ -165,7 +166,8 @@ def _package_functions() -> list[tuple[str, str, str]]:
     from ..cache import cache_dir
 
     versions = {n: md.version(n) for n in package_licences()}
-    key = hashlib.sha256(json.dumps([versions, _PER_PACKAGE, sys.version_info[:2]]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([versions, _PER_PACKAGE, _COLLECTOR, sys.version_info[:2]]).encode()
+                         ).hexdigest()[:16]
     path = cache_dir() / f"package-functions-{key}.json"
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())]

@@ -31,7 +31,7 @@ from ..formats.gguf import DrafterConfig, read_tensors
 from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target, write_speculators
 from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
-from .data import Dataset, DataSpec, Progress, build_features, generate_responses
+from .data import Dataset, DataSpec, Progress, build_features, generate_responses, top_k_coverage
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
 from .prompts import DEFAULT_SOURCES, SOURCES, training_prompts
 
@@ -297,6 +297,12 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
                        "sampled_sequences": int((ds.index[:, 3] > 0).sum()),
                        "features_bytes": ds.n_tokens * ds.bytes_per_token,
                        "prompt_sources": sorted({p.source for p in prompts})}
+    if ds.top_k:
+        summary["data"]["top_k_coverage"] = round(top_k_coverage(ds.store, ds.index), 4)
+        if spec.distill and summary["data"]["top_k_coverage"] < 0.9:
+            say(f"warning: distillation has the target's top-k rows at only "
+                f"{100 * summary['data']['top_k_coverage']:.1f} % of the response positions (rows captured in a "
+                "second pass have none): the rest trains on the sampled tokens alone")
     say(f"data: {summary['data']}")
 
     t = read_tensors(spec.target, ["token_embd.weight", "output.weight"])

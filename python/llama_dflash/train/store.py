@@ -35,6 +35,10 @@ class StoreMismatch(ValueError):
     """The directory holds a store made with other settings."""
 
 
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else 0
+
+
 def _rid(rid: Sequence) -> tuple[str, float, int]:
     return str(rid[0]), float(rid[1]), int(rid[2])
 
@@ -47,7 +51,7 @@ class RowStore:
     """
 
     def __init__(self, path: str | os.PathLike, capture: dict, width: int, n_taps: int, fmt: str = "q8",
-                 top_k: int = 0) -> None:
+                 top_k: int = 0, readonly: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"feature format must be one of {FORMATS}, got {fmt!r}")
         if width <= 0 or n_taps <= 0 or width % n_taps:
@@ -63,16 +67,22 @@ class RowStore:
                 have = None
             if have != self.meta:
                 raise StoreMismatch(f"{self.path} holds rows made with other settings ({have})")
+        elif readonly:
+            raise FileNotFoundError(f"no row store in {self.path}")
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-            mp.write_text(json.dumps(self.meta))
+            tmp = mp.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.meta))
+            tmp.replace(mp)
+        self.readonly = readonly
         self._open()
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> RowStore:
-        """An existing store, with the settings it was made with."""
+    def open(cls, path: str | os.PathLike, readonly: bool = True) -> RowStore:
+        """An existing store, with the settings it was made with (read-only: nothing on disk changes;
+        rows past what every file holds, and references to them, are ignored)."""
         m = json.loads((Path(path) / "meta.json").read_text())
-        return cls(path, m["capture"], m["width"], m["n_taps"], m["format"], m["top_k"])
+        return cls(path, m["capture"], m["width"], m["n_taps"], m["format"], m["top_k"], readonly=readonly)
 
     @classmethod
     def replace(cls, path: str | os.PathLike, *args, **kw) -> RowStore:
@@ -115,17 +125,20 @@ class RowStore:
         """Cut every file to the rows all of them hold and drop references past them (what an
         interrupted append leaves), then read the references and the q8 statistics."""
         files = self._files()
-        for name in files:
-            (self.path / name).touch()
-        n = min((self.path / name).stat().st_size // (dt.itemsize * w) for name, (dt, w) in files.items())
+        if not self.readonly:
+            for name in files:
+                (self.path / name).touch()
+        n = min(_size(self.path / name) // (dt.itemsize * w) for name, (dt, w) in files.items())
         for name, (dt, w) in files.items():
             p = self.path / name
-            if p.stat().st_size != n * dt.itemsize * w:
+            if not self.readonly and p.stat().st_size != n * dt.itemsize * w:
                 os.truncate(p, n * dt.itemsize * w)
         self.refs: dict[tuple[str, float, int], tuple[int, int]] = {}
         rp, kept, cut = self.path / "refs.jsonl", [], False
         if rp.is_file():
-            for line in rp.read_text(encoding="utf-8").splitlines():
+            text = rp.read_text(encoding="utf-8")
+            cut = bool(text) and not text.endswith("\n")  # a cut last line: the next append must start afresh
+            for line in text.splitlines():
                 try:
                     r = json.loads(line)
                     rid, row, length = _rid(r["rid"]), int(r["row"]), int(r["n"])
@@ -137,7 +150,7 @@ class RowStore:
                     continue
                 self.refs[rid] = (row, length)
                 kept.append(line)
-        if cut:
+        if cut and not self.readonly:
             tmp = rp.with_suffix(".tmp")
             tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
             tmp.replace(rp)
@@ -145,7 +158,10 @@ class RowStore:
         self._norm = None
         npath = self.path / "norm.f32"
         if self.meta["format"] == "q8" and npath.is_file():
-            self._norm = np.fromfile(npath, np.float32).reshape(2, self.width)
+            norm = np.fromfile(npath, np.float32)
+            if norm.size != 2 * self.width:
+                raise StoreMismatch(f"{self.path}: unreadable statistics (norm.f32)")
+            self._norm = norm.reshape(2, self.width)
         if self.meta["format"] == "q8" and n and self._norm is None:
             raise StoreMismatch(f"{self.path}: rows without their statistics (norm.f32)")
         self._pending: list[dict] = []  # sequences queued for the next flush
@@ -173,7 +189,9 @@ class RowStore:
         encode alike (f16, or q8 with the same statistics), else decoded and encoded again."""
         if src.width != self.width:
             raise ValueError(f"rows of width {src.width} for a store of width {self.width}")
-        ids, logp = src.top(row, n) if self.top_k and src.top_k == self.top_k else (None, None)
+        # the source's top-k rows are sorted: a larger k keeps its first self.top_k columns
+        ids, logp = (tuple(x[:, :self.top_k] for x in src.top(row, n)) if self.top_k and src.top_k >= self.top_k
+                     else (None, None))
         if self.meta["format"] == src.meta["format"] == "q8" and self._norm is not None and \
                 src._norm is not None and np.array_equal(self._norm, src._norm):
             if ids is None and self.top_k:
@@ -203,9 +221,27 @@ class RowStore:
             self.flush()
 
     def flush(self) -> None:
-        """Write the queued sequences' rows, then their references."""
+        """Write the queued sequences' rows, then their references.  On an error (a full disk, an
+        interrupt) the files go back to what they held before and the queued sequences are dropped
+        (their responses then have no rows: a later run captures them)."""
         if not self._pending:
             return
+        if self.readonly:
+            raise ValueError(f"{self.path} was opened read-only")
+        start, refs_size = self.n_rows, _size(self.path / "refs.jsonl")
+        try:
+            self._write()
+        except BaseException:
+            for name, (dt, w) in self._files().items():
+                os.truncate(self.path / name, start * dt.itemsize * w)
+            if (self.path / "refs.jsonl").is_file():
+                os.truncate(self.path / "refs.jsonl", refs_size)
+            self.n_rows = start
+            self._pending = []
+            self._maps = {}
+            raise
+
+    def _write(self) -> None:
         if self.meta["format"] == "q8" and self._norm is None:
             self._norm = _channel_stats(np.concatenate([p["feats"] for p in self._pending if "feats" in p]),
                                         self.meta["n_taps"])
@@ -232,10 +268,10 @@ class RowStore:
         finally:
             for f in outs.values():
                 f.close()
-        with open(self.path / "refs.jsonl", "a", encoding="utf-8") as f:
-            for rid, row, n in refs:
-                f.write(json.dumps({"rid": list(rid), "row": row, "n": n}) + "\n")
-                self.refs[rid] = (row, n)
+        with open(self.path / "refs.jsonl", "a", encoding="utf-8") as f:  # (ends with a newline: _open)
+            f.write("".join(json.dumps({"rid": list(rid), "row": row, "n": n}) + "\n" for rid, row, n in refs))
+        for rid, row, n in refs:
+            self.refs[rid] = (row, n)
         self._pending = []
         self._maps = {}
 
@@ -291,7 +327,7 @@ def _channel_stats(x: np.ndarray, n_taps: int) -> np.ndarray:
 def quantize_q8(x: np.ndarray, norm: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndarray]:
     """int8 values [n, W] and fp16 scales [n, n_taps] of float rows x (``norm``: mean; deviation)."""
     z = ((x - norm[0]) / norm[1]).reshape(len(x), n_taps, -1)
-    s = (np.abs(z).max(2) / 127).astype(np.float16)
+    s = np.minimum(np.abs(z).max(2) / 127, np.finfo(np.float16).max).astype(np.float16)  # (beyond: clipped)
     sf = s.astype(np.float32)
     sf[sf == 0] = 1
     q = np.clip(np.rint(z / sf[:, :, None]), -127, 127).astype(np.int8)
