@@ -149,11 +149,16 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("llama-dflash: error:") and err.count("\n") == 1
     for bad in (["--max-sequences", "-1"], ["--max-new", "0"], ["--v1-steps", "0"], ["--draft-vocab", "-1"],
-                ["--tune-steps", "-1"], ["--sampled-every", "-1"], ["--samples", "0"]):
+                ["--tune-steps", "-1"], ["--sampled-every", "-1"], ["--samples", "0"], ["--top-k", "-1"]):
         assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"),
                      *bad]) == 2, bad
         err = capsys.readouterr().err
         assert "must be >= " in err and err.count("\n") == 1
+    for bad, msg in ((["--distill", "1.5"], "distill must be >= 0 and <= 1"),
+                     (["--feature-format", "q4"], "invalid choice: 'q4'")):  # argparse's usage error
+        with pytest.raises(SystemExit):
+            main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"), *bad])
+        assert msg in capsys.readouterr().err
 
 
 def test_bad_settings_are_refused_before_any_data(artifacts, tmp_path, capsys):
@@ -167,7 +172,10 @@ def test_bad_settings_are_refused_before_any_data(artifacts, tmp_path, capsys):
     for kw, msg in [(dict(taps=[1, 5]), "tap 5 is not a usable layer of the target (0..4 of 6)"),
                     (dict(selector_top_k=8), "selector_top_k 8 needs a hidden size >= K(K+1) = 72 (target: 64)"),
                     (dict(conv_group_size=24), "conv_group_size 24 does not divide the hidden size 64"),
-                    (dict(mask_token_id=5000), "mask token 5000 lies outside the target vocabulary")]:
+                    (dict(mask_token_id=5000), "mask token 5000 lies outside the target vocabulary"),
+                    (dict(distill=0.5, top_k=0), "top_k must be >= 1"),
+                    (dict(prompt_sources=["stdlib-code", "web"]), "unknown prompt source 'web'"),
+                    (dict(feature_format="q4"), "feature_format must be q8 or f16")]:
         spec = RunSpec.smoke(target)
         for k, v in kw.items():
             setattr(spec, k, v)
