@@ -172,8 +172,10 @@ def targets() -> list[tuple[str, Path, dict[str, Path]]]:
 
 def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str, ...], res: dict,
                   path: Path) -> None:
-    """Fills res["identity"] block by block (target / mode / drafter), saving after each one, so
-    that a stopped run resumes where it stopped: blocks measured with the same settings are kept."""
+    """Fills res["identity"] block by block (target / mode / drafter) and within a block draft
+    length by draft length, saving after each, so that a stopped run resumes where it stopped:
+    what was measured with the same settings is kept (a block still incomplete is marked
+    "partial" in identity_blocks)."""
     settings = {"prompts": n_prompts, "seeds": seeds, "max_tokens": max_tokens}
     ident, blocks = res.setdefault("identity", {}), res.setdefault("identity_blocks", {})
     for key in [k for k in ident if blocks.get(k, {}).get("settings") != settings]:
@@ -183,12 +185,15 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str,
             plain: dict = {}  # (prompt, seed) -> tokens: plain decoding does not depend on the drafter
             for dname, dpath in drafters.items():
                 key = f"{label}/{mode}/{dname}"
-                if key in ident:
+                if key in ident and not blocks[key].get("partial"):
                     print(key, "(kept from", blocks[key]["date"] + ")", json.dumps(ident[key]), flush=True)
                     continue
-                counts = {}
+                counts = ident.setdefault(key, {})
                 with SpeculativeGenerator(target, dpath, n_ctx=1024, exact=mode == "exact") as g:
                     for n in sorted({min(n, g.max_draft_len) for n in (1, 3, 7, 15)}):  # the self-check caps n
+                        if str(n) in counts:
+                            print(key, f"n={n} (kept)", json.dumps(counts[str(n)]), flush=True)
+                            continue
                         same = runs = 0
                         for p in prompts(n_prompts):
                             toks = g.tokenize(p)
@@ -199,7 +204,10 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str,
                                 same += g.generate(toks, max_tokens, draft_len=n, sampling=sp).tokens == plain[p, seed]
                                 runs += 1
                         counts[str(n)] = {"identical": same, "runs": runs}
-                ident[key] = counts
+                        blocks[key] = {"settings": settings, "partial": True,
+                                       "date": datetime.datetime.now().isoformat(timespec="seconds")}
+                        path.write_text(json.dumps(res, indent=1))
+                        print(key, f"n={n}", json.dumps(counts[str(n)]), flush=True)
                 blocks[key] = {"settings": settings, "date": datetime.datetime.now().isoformat(timespec="seconds")}
                 path.write_text(json.dumps(res, indent=1))
                 print(key, json.dumps(counts), flush=True)

@@ -433,12 +433,13 @@ def exact() -> list[str]:
                 "| target / mode / drafter | " + " | ".join(f"n = {n}" for n in ("1", "3", "7", "15")) + " |",
                 "|---|---|---|---|---|"]
         for key, counts in ident.items():
-            cells = [f"{counts[n]['identical']} / {counts[n]['runs']}" if n in counts else "— (capped)"
-                     for n in ("1", "3", "7", "15")]
+            partial = r.get("identity_blocks", {}).get(key, {}).get("partial")
+            cells = [f"{counts[n]['identical']} / {counts[n]['runs']}" if n in counts else
+                     ("not measured yet" if partial else "— (capped)") for n in ("1", "3", "7", "15")]
             extra = [n for n in counts if n not in ("1", "3", "7", "15")]
             if extra:  # the self-check capped n_max below 15: the longest length it allows
                 cells[-1] = f"n = {extra[0]}: {counts[extra[0]]['identical']} / {counts[extra[0]]['runs']}"
-            out.append(f"| {key} | " + " | ".join(cells) + " |")
+            out.append(f"| {key}{' (partial)' if partial else ''} | " + " | ".join(cells) + " |")
         out.append("")
     return out
 
