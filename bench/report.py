@@ -257,6 +257,47 @@ def heldout() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# data.json / distill.json: the training data pipeline
+
+
+def training_data() -> list[str]:
+    out = ["## Training data", ""]
+    if (HERE / "data.json").is_file():
+        d = _load("data.json")
+        if "speed" in d:
+            sp = d["speed"]
+            one, two = sp["one-pass"], sp["two-pass"]
+            out += ["speed: " + _source(sp["command"], sp["date"], "data.json"), "",
+                    f"{sp['sequences']} prompts × up to {sp['max_new']} tokens ({Path(sp['target']).name}, 8 sequences "
+                    "per decode), interleaved chunk by chunk: one target pass (features and top-32 log-probabilities "
+                    f"captured in the generating decodes) {one['s_per_sequence']:.2f} s per sequence "
+                    f"({one['response_tok_s']:.0f} response tok/s), generation plus a second feature pass "
+                    f"{two['s_per_sequence']:.2f} s ({two['response_tok_s']:.0f} tok/s): "
+                    f"{sp['two_pass_over_one_pass']:.2f}×.", ""]
+        if "q8" in d:
+            q = d["q8"]
+            b = q["bytes_per_token"]
+            out += ["q8: " + _source(q["command"], q["date"], "data.json"), "",
+                    f"8-bit rows {b['q8']} B per token against fp16 {b['f16']} (both with the top-32 rows); their "
+                    f"error {q['q8_error_rms_sd']} channel deviations RMS (max {q['q8_error_max_sd']}). The shipped "
+                    f"drafter on {q['sequences']} held-out sequences ({q['blocks']} drafts of {q['draft_len']}): "
+                    f"block τ {q['block_tau']['q8']:.3f} from q8 rows, {q['block_tau']['f16']:.3f} from fp16; "
+                    f"{100 * q['same_drafts']:.0f} % of the drafts identical.", ""]
+    if (HERE / "distill.json").is_file():
+        d = _load("distill.json")
+        out += ["distillation: " + _source(d["command"], d["date"], "distill.json"), "",
+                f"{d['sequences']} sequences ({d['response_tokens']} response tokens, {d['held_out']} held out), "
+                f"DFlash v1 {d['v1_steps']} steps then DFlash2 {d['v2_steps']} steps per arm, same seed and held-out "
+                "anchors (a short recipe: it ranks the losses, it is not the shipped drafter's τ):", "",
+                "| distill λ | block τ | path τ | first-slot accuracy | training s |", "|---|---|---|---|---|"]
+        for lam, m in d["arms"].items():
+            out.append(f"| {lam} | {m['block_tau']:.3f} | {m.get('path_tau', float('nan')):.3f} | "
+                       f"{m['per_slot_accuracy'][0]:.3f} | {m['train_s']:.0f} |")
+        out.append("")
+    return out if len(out) > 2 else []
+
+
+# ---------------------------------------------------------------------------------------------
 # dropin.json: the drop-in class
 
 
@@ -561,9 +602,10 @@ def render() -> str:
             "[shipped drafter on HumanEval](#the-shipped-drafter-on-humaneval-held-out) · "
             "[drop-in class](#the-drop-in-class) · [exact mode](#exact-mode) · "
             "[cost-aware drafting](#cost-aware-drafting) · [concurrent requests](#concurrent-requests) · "
+            "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
     body = [*core(), *convert(), *humaneval(), *previous_drafter(), *heldout(), *dropin(), *exact(), *adaptive(),
-            *concurrent()]
+            *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
 
