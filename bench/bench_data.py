@@ -35,7 +35,8 @@ from llama_dflash.core.batchgen import BatchGenerator, Job
 from llama_dflash.core.generator import SpeculativeGenerator
 from llama_dflash.formats.gguf import read_drafter_config
 from llama_dflash.train.data import _held_out
-from llama_dflash.train.prompts import chatml, training_prompts
+from llama_dflash.train.data import prompt_ids as data_prompt_ids
+from llama_dflash.train.prompts import training_prompts
 from llama_dflash.train.store import RowStore
 
 TOP_K = 32
@@ -47,7 +48,7 @@ def prompt_ids(target: str, n: int, held_out: bool, max_prompt: int = 320) -> li
         for p in training_prompts():
             if _held_out(p.key, 0.03) != held_out:
                 continue
-            ids = tok.tokenize(chatml(p.text).encode(), add_bos=False, special=True)
+            ids = data_prompt_ids(tok, p)
             if len(ids) <= max_prompt:
                 out.append(ids)
             if len(out) == n:

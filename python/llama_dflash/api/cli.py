@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import DFlashError
+from ..train.store import FORMATS as FEATURE_FORMATS
 from ..verify.certify import divergence_report, replay_divergence
 
 
@@ -498,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
     t.add_argument("--tune-steps", type=_int(-_I32), default=None,
                    help="DFlash2 steps continued in the draft vocabulary (default 10800; 0 = none)")
-    t.add_argument("--feature-format", default=None, choices=["q8", "f16"],
+    t.add_argument("--feature-format", default=None, choices=list(FEATURE_FORMATS),
                    help="features on disk: 8-bit rows (default, 2.9 KB per token for SmolLM2's 5 taps) or fp16")
     t.add_argument("--top-k", type=_int(-_I32), default=None,
                    help="the target's top-k next-token log-probabilities kept per position (default 32; 0 = none)")

@@ -95,11 +95,6 @@ class BatchGenerator(Resource):
         self._batch = llama_cpp.llama_batch_init(cp.n_batch, 0, 1)
         self._cap = cp.n_batch
 
-    @property
-    def feature_width(self) -> int:
-        """Values per position in a completion's features (0 without capture)."""
-        return self._capture.width if self._capture is not None else 0
-
     def is_eog(self, tok: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
 

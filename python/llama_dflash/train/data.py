@@ -32,7 +32,7 @@ import numpy as np
 from ..core import Tokenizer
 from ..core.batchgen import BatchGenerator, Job
 from ..formats.hf import read_target
-from .prompts import Prompt
+from .prompts import RAW_KEY, Prompt
 from .store import RowStore, StoreMismatch
 
 
@@ -190,7 +190,7 @@ def _order(r: dict) -> tuple:
 
 def _held_out(key: str, frac: float) -> bool:
     """Whether a prompt key is held out (a raw completion prompt goes with its chat twin)."""
-    key = key.removeprefix("raw:")
+    key = key.removeprefix(RAW_KEY)
     return (zlib.crc32(key.encode()) % 10_000) < frac * 10_000
 
 

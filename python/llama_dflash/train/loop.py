@@ -297,8 +297,8 @@ class Trainer:
         w = slot_weights(B)
         total = None
         hits, sel_hits, recall, n_blocks = [], [], [], 0
+        lam = self.tc.distill
         for i in self._next_ids():
-            lam = self.tc.distill
             r = sequence_losses(self.model, self.source, i, self.tc.anchors_per_seq, self.rng, self.embed, self.head,
                                 self.vocab, soft=lam > 0)
             if r is None:

@@ -247,9 +247,12 @@ def package_prompts() -> list[Prompt]:
             for q, head, doc in _package_functions()]
 
 
+RAW_KEY = "raw:"  # a raw completion prompt's key: this + its function's (the chat prompt's) key
+
+
 def raw_code_prompts() -> list[Prompt]:
     """The stdlib and package functions as raw completion prompts (signature + docstring)."""
-    return [Prompt("raw-code", _function_code(head, doc), f"raw:{q}", raw=True)
+    return [Prompt("raw-code", _function_code(head, doc), RAW_KEY + q, raw=True)
             for q, head, doc in _stdlib_functions() + _package_functions()]
 
 
@@ -370,12 +373,17 @@ SOURCES = {"stdlib-code": stdlib_prompts, "authored": authored_prompts, "package
 DEFAULT_SOURCES = ("stdlib-code", "authored")
 
 
-def training_prompts(seed: int = 0, limit: int | None = None, sources=DEFAULT_SOURCES) -> list[Prompt]:
-    """The training mix (shuffled) of `sources` (names in SOURCES; "authored": code and general),
-    with anything overlapping HumanEval removed."""
+def check_sources(sources) -> None:
+    """A clear error for a name that is not in SOURCES."""
     bad = [x for x in sources if x not in SOURCES]
     if bad:
         raise ValueError(f"unknown prompt source {bad[0]!r} (known: {', '.join(SOURCES)})")
+
+
+def training_prompts(seed: int = 0, limit: int | None = None, sources=DEFAULT_SOURCES) -> list[Prompt]:
+    """The training mix (shuffled) of `sources` (names in SOURCES; "authored": code and general),
+    with anything overlapping HumanEval removed."""
+    check_sources(sources)
     names, lines = _held_out_markers()
     allp = [p for x in sources for p in SOURCES[x]()]
     seen, out = set(), []

@@ -33,7 +33,8 @@ from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses, top_k_coverage
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
-from .prompts import DEFAULT_SOURCES, SOURCES, training_prompts
+from .prompts import DEFAULT_SOURCES, check_sources, training_prompts
+from .store import FORMATS
 
 
 @dataclass
@@ -121,13 +122,11 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"selector_top_k {K} needs a hidden size >= K(K+1) = {K * (K + 1)} (target: {E})")
     if 0 < spec.draft_vocab < K:
         raise ValueError(f"a draft vocabulary of {spec.draft_vocab} tokens is smaller than selector_top_k {K}")
-    bad = [x for x in spec.prompt_sources or () if x not in SOURCES]
-    if bad:
-        raise ValueError(f"unknown prompt source {bad[0]!r} (known: {', '.join(SOURCES)})")
+    check_sources(spec.prompt_sources or ())
     if spec.distill and not spec.top_k:
         raise ValueError("distillation (distill > 0) trains on the target top-k log-probabilities: top_k must be >= 1")
-    if spec.feature_format not in ("q8", "f16"):
-        raise ValueError(f"feature_format must be q8 or f16, got {spec.feature_format!r}")
+    if spec.feature_format not in FORMATS:
+        raise ValueError(f"feature_format must be {' or '.join(FORMATS)}, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
         raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMATS = ("f16", "q8")
+FORMATS = ("q8", "f16")  # (the default first)
 NORM_ROWS = 4096  # q8: rows the per-channel statistics are taken from
 
 
@@ -176,10 +176,7 @@ class RowStore:
         features = np.asarray(features, np.float32)
         if features.shape != (len(tokens), self.width):
             raise ValueError(f"features of shape {features.shape} for {len(tokens)} tokens of width {self.width}")
-        if self.top_k:
-            if top_ids is None:  # a sequence captured without logits: no distillation rows
-                top_ids = np.full((len(tokens), self.top_k), -1, np.int32)
-                top_logp = np.zeros((len(tokens), self.top_k), np.float32)
+        if self.top_k and top_ids is not None:  # (None: captured without logits, no distillation rows)
             if np.shape(top_ids) != (len(tokens), self.top_k) or np.shape(top_logp) != np.shape(top_ids):
                 raise ValueError(f"top-k rows of shape {np.shape(top_ids)} for {len(tokens)} tokens, k {self.top_k}")
         self._queue({"rid": _rid(rid), "tokens": tokens, "feats": features, "ids": top_ids, "logp": top_logp})
@@ -194,8 +191,6 @@ class RowStore:
                      else (None, None))
         if self.meta["format"] == src.meta["format"] == "q8" and self._norm is not None and \
                 src._norm is not None and np.array_equal(self._norm, src._norm):
-            if ids is None and self.top_k:
-                ids, logp = np.full((n, self.top_k), -1, np.int32), np.zeros((n, self.top_k), np.float32)
             q8 = np.asarray(src._map("feat.q8")[row:row + n]), np.asarray(src._map("scale.f16")[row:row + n])
             self._queue({"rid": _rid(rid), "tokens": np.asarray(src.tokens(row, n), np.int32), "q8": q8,
                          "ids": ids, "logp": logp})
@@ -208,11 +203,14 @@ class RowStore:
         if (self.meta["format"] != "q8" or self._norm is not None or self.n_rows or self._pending
                 or src._norm is None or (src.meta["capture"], src.width) != (self.meta["capture"], self.width)):
             return False
-        self._norm = src._norm.copy()
-        tmp = self.path / "norm.f32.tmp"
-        self._norm.tofile(tmp)
-        tmp.replace(self.path / "norm.f32")
+        self._set_statistics(src._norm.copy())
         return True
+
+    def _set_statistics(self, norm: np.ndarray) -> None:
+        self._norm = norm
+        tmp = self.path / "norm.f32.tmp"
+        norm.tofile(tmp)
+        tmp.replace(self.path / "norm.f32")
 
     def _queue(self, item: dict) -> None:
         self._pending.append(item)
@@ -243,11 +241,8 @@ class RowStore:
 
     def _write(self) -> None:
         if self.meta["format"] == "q8" and self._norm is None:
-            self._norm = _channel_stats(np.concatenate([p["feats"] for p in self._pending if "feats" in p]),
-                                        self.meta["n_taps"])
-            tmp = self.path / "norm.f32.tmp"
-            self._norm.tofile(tmp)
-            tmp.replace(self.path / "norm.f32")
+            self._set_statistics(_channel_stats(np.concatenate([p["feats"] for p in self._pending if "feats" in p]),
+                                                self.meta["n_taps"]))
         outs = {name: open(self.path / name, "ab") for name in self._files()}
         refs = []
         try:
@@ -261,8 +256,12 @@ class RowStore:
                     outs["feat.q8"].write(np.ascontiguousarray(q, np.int8).tobytes())
                     outs["scale.f16"].write(np.ascontiguousarray(sc, np.float16).tobytes())
                 if self.top_k:
-                    outs["top_ids.i32"].write(np.asarray(p["ids"], np.int32).tobytes())
-                    outs["top_logp.f16"].write(np.asarray(p["logp"], np.float32).astype(np.float16).tobytes())
+                    ids, logp = p["ids"], p["logp"]
+                    if ids is None:  # no top-k rows for this sequence: ids -1
+                        shape = (len(tokens), self.top_k)
+                        ids, logp = np.full(shape, -1, np.int32), np.zeros(shape, np.float32)
+                    outs["top_ids.i32"].write(np.asarray(ids, np.int32).tobytes())
+                    outs["top_logp.f16"].write(np.asarray(logp, np.float32).astype(np.float16).tobytes())
                 refs.append((p["rid"], self.n_rows, len(tokens)))
                 self.n_rows += len(tokens)
         finally:
@@ -281,10 +280,6 @@ class RowStore:
         if need > free:
             raise ValueError(f"features for this data need {need / 2**30:.1f} GiB in {self.path}, only "
                              f"{free / 2**30:.1f} GiB free (--max-sequences or fewer --prompts make them smaller)")
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_rows * self.bytes_per_row
 
     # -- reading ----------------------------------------------------------------------------
 
