@@ -543,6 +543,7 @@ def adaptive() -> list[str]:
                 "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
                 "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
                 "with every other configuration prompt by prompt.", "", *_adaptive_sets(ru, "adaptive_upstream.json")]
+    out += policy_reach()
     rp = r.get("replay")
     if rp:
         out += ["### Bigger targets, replayed drafts at a fixed acceptance", "",
@@ -561,6 +562,38 @@ def adaptive() -> list[str]:
                            f"{au['predicted_over_measured']:.3f} |")
             out.append(f"| {label} | plain | {rows['plain']['tok_s']:.1f} tok/s | | | | |")
         out.append("")
+    return out
+
+
+def policy_reach() -> list[str]:
+    if not (HERE / "policy.json").is_file():
+        return []
+    r = _load("policy.json")
+    cm = r["cost_model_ms"]
+    out = ["### What a length policy can reach: dense traces", "",
+           _source(r["command"], r["date"], "policy.json", f"; {r['tokens']} tokens per prompt, greedy, "
+                   f"{r['target']} + {r['drafter']}"), "",
+           "For every position of each prompt's plain output, the drafter's n_max-token draft from there and "
+           "how much of it the output continues with; any length policy's steps and their cost-model time follow "
+           "from these traces exactly. The oracle (dynamic programming over positions) knows every draft's "
+           "acceptance before drafting; a causal policy knows only what its own drafts showed. \"best causal\" "
+           "is the best of a family (draft n every step, or only while the last draft got ≥ A accepted with a "
+           "probe every P plain steps; each draft cut by calibrated confidence, the calibration fitted on the same "
+           "traces); \"engine, replayed\" runs the engine's own policy functions (csrc/dflash_policy.c) step by "
+           "step on the traces; \"free drafts\" is the causal family with t_draft = 0 (what the confidence "
+           "signal is worth by itself). \"measured\" is our adaptive loop against our plain loop, timed in the "
+           "same run, interleaved prompt by prompt. Gains are over plain decoding.", "",
+           "| set | positions | accepted per position | oracle | best causal | engine, replayed | measured adaptive | "
+           "causal, free drafts |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in r["sets"].items():
+        m = s["summary"]
+        out.append(f"| {name} | {m['positions']} | {m['mean_accepted']:.2f} | {m['oracle_x']:.3f}× | "
+                   f"{m['causal']['best_x']:.3f}× ({m['causal']['best']}) | {m['engine_replay_x']:.3f}× | "
+                   f"{m['auto_x']:.3f}× (plain {m['plain_tok_s']:.1f} tok/s; {m['auto_plain_steps']} steps plain) | "
+                   f"{m['free_drafts']['best_x']:.3f}× ({m['free_drafts']['best']}) |")
+    out += ["", "Cost model of the run (ms): verify batches of 1 … n rows "
+            f"{[round(x, 2) for x in cm['t_verify']]}, drafts of 1 … n tokens {[round(x, 2) for x in cm['t_draft']]}.",
+            ""]
     return out
 
 

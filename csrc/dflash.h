@@ -354,6 +354,10 @@ struct dflash_step {
     int32_t committed;     /* prompt + generated tokens (the last one is the anchor) */
     int32_t target_len;    /* positions in the target KV cache */
     int32_t drafter_len;   /* positions whose features the drafter holds */
+    int32_t made;          /* drafts the drafter was asked for (its cost; drafted: those verified) */
+    float   anchor_margin; /* greedy: the target's top-1 minus top-2 logit at the anchor's row (NAN else) */
+    int32_t n_conf;        /* slots with a confidence in conf: made, or 0 where the draft source gives none */
+    float   conf[DFLASH_MAX_DRAFT]; /* the drafter's confidence per made slot (what adaptive steps calibrate) */
 };
 typedef void (*dflash_step_fn)(void * user_data, const struct dflash_step * step);
 
@@ -419,6 +423,24 @@ bool    dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * o
 double  dflash_engine_step_cost(const dflash_engine * e, int32_t n_draft, int32_t k);
 void    dflash_engine_set_calibration(dflash_engine * e, const struct dflash_calibration * cal);
 void    dflash_engine_get_calibration(const dflash_engine * e, struct dflash_calibration * out);
+
+/* The engine's adaptive steps replayed on dense traces, without a model: for every anchor
+ * position j of a fixed output (traces one after another, lens[t] positions each), accepted[j]
+ * says how many tokens of the drafter's n_max-token draft from there the output continues with,
+ * and conf[j * n_max + i] that draft's confidence in slot i (NULL: a draft source without them).
+ * One policy state runs through every trace in order, as through one engine's generations,
+ * taking the steps dflash_engine_step takes (plan, draft, cut, verify, learn) with the cost
+ * model's times as the measured ones; passes > 1 replays them again from the state reached (the
+ * last pass is reported).  cal: a starting calibration (NULL: none).  Returns 0, -1 on bad
+ * arguments (in err). */
+struct dflash_replay {
+    double  seconds;       /* the cost model's time of the steps taken */
+    double  plain_seconds; /* of plain steps over the same tokens */
+    int32_t steps, plain_steps, drafted, accepted, made;
+};
+int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
+                             int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
+                             int32_t passes, struct dflash_replay * out, char * err, size_t err_len);
 
 /* The whole generation (start + steps).  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus

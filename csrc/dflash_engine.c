@@ -29,6 +29,7 @@ struct step_plan {
     bool adaptive;
     float conf_buf[DFLASH_MAX_DRAFT];
     const float * conf;                    // each drafted slot's confidence, when the drafter gives one
+    float anchor_margin;                   // the anchor row's top-1 minus top-2 logit (traces)
     double t_draft;
 };
 
@@ -50,6 +51,7 @@ struct dflash_engine {
     int32_t history_cap;
     // sampled verification (T > 0)
     float * p;                 // target distribution of one row, dense [n_vocab]
+    float anchor_margin;       // the last committed token's row: top-1 minus top-2 logit (NAN: not computed)
     llama_token_data * cur;    // candidates handed to the sampler transforms
     struct dflash_rng rng;
     // the generation in progress (dflash_engine_start .. dflash_engine_step)
@@ -450,8 +452,9 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     }
     dflash_rng_seed(&e->rng, params->seed);
     st->mode = params->mode;
-    float margin = 0.0f;
-    const int32_t tok = pick_token(e, params, -1, out_margin ? &margin : NULL);
+    float margin = NAN;
+    const int32_t tok = pick_token(e, params, -1, out_margin || e->step_fn ? &margin : NULL);
+    e->anchor_margin = margin;
     e->t_start = dflash_now();
     st->t_prefill_s = e->t_start - t0;
     if (out_margin) *out_margin = margin;
@@ -528,7 +531,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
             n_drafted = dflash_state_draft_sample(e->st, anchor, n, params->temperature, &e->rng, gf, drafts,
                                                   e->q_cand, e->q_prob, &q_k, err, err_len);
         } else if (e->drafter) {
-            conf = adaptive ? conf_buf : NULL;
+            conf = adaptive || e->step_fn ? conf_buf : NULL;  // (a trace reports them too)
             n_drafted = dflash_state_draft(e->st, anchor, n, params->p_min, gf, drafts, conf, NULL, err,
                                            err_len);
         }
@@ -576,6 +579,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     pl->q_k = q_k;
     pl->adaptive = adaptive;
     pl->conf = conf;
+    pl->anchor_margin = e->anchor_margin;
     pl->t_draft = dflash_now() - ta;
     return 1;
 }
@@ -593,7 +597,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     const int32_t n_drafted = pl->n_drafted, n_made = pl->n_made, q_k = pl->q_k;
     const bool adaptive = pl->adaptive;
     const float * conf = pl->conf;
-    float margin = 0.0f;
+    float margin = NAN;
     int32_t tok = 0;
     const double tb = dflash_now();
 
@@ -630,7 +634,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
         } else {
             // Greedy / match: the target's own token for row i (the bonus after the last draft);
             // drafts are kept while they equal it.
-            tok = pick_token(e, params, i, out_margins ? &margin : NULL);
+            tok = pick_token(e, params, i, out_margins || e->step_fn ? &margin : NULL);
             keep_going = i < n_drafted && drafts[i] == tok;
         }
         out_tokens[n_out] = tok;
@@ -645,6 +649,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
         n_acc++;
     }
     const double tc = dflash_now();
+    e->anchor_margin = margin;  // (the last token committed is the next step's anchor)
 
     // Roll back the rejected rows; the drafter gets the kept rows' features.
     const int32_t n_keep = n_acc + 1;
@@ -677,7 +682,8 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
 
     if (e->step_fn) {
         struct dflash_step s = { st->steps, n_drafted, n_acc, e->n_hist, target_len(e),
-                                 e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past };
+                                 e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past, n_made, pl->anchor_margin, conf ? n_made : 0, {0} };
+        if (conf) memcpy(s.conf, conf, sizeof(float) * (size_t) n_made);
         e->step_fn(e->step_ud, &s);
     }
     return n_out;

@@ -15,6 +15,8 @@
 // expectation honest.
 #include "policy.h"
 
+#include "common.h"
+
 #include <math.h>
 #include <string.h>
 
@@ -108,6 +110,7 @@ static double plain_rate(const struct dflash_policy * p) {
 
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
     *probe = false;
+    p->probing = false;
     if (n_cap <= 0) return 0;
     const double R = plain_rate(p);
     double E = 1.0, prod = 1.0, best_v = -INFINITY;
@@ -126,7 +129,7 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
     const int32_t c = p->state;
     if (p->gain[c] > 0.0) return n;
     if (++p->skipped[c] >= p->probe_every[c]) {
-        *probe = true;
+        *probe = p->probing = true;
         return n;
     }
     return 0;
@@ -150,6 +153,13 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
             best_e = E;
         }
     }
+    // without confidences only verified slots teach anything: a probe (or the very first draft)
+    // verifies one at least, even where the recent acceptance says it does not pay
+    p->blind = conf == NULL;
+    if (p->blind && best_k == 0 && n >= 1 && (p->probing || p->recent[0] < 0.0)) {
+        best_k = 1;
+        best_e = 1.0 + recent_at(p, 0);
+    }
     // over a plain step, in plain-step units (alone, a plain step's time buys one token)
     p->last_gain = best_e - R0 * (dflash_policy_t_draft(p, n_made) + t_rows(p, best_k + 1))
                    - (1.0 - R0 * t_rows(p, 1));
@@ -164,7 +174,8 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
     } else {
         // probes back off while they find nothing, as far as keeps their cost (a draft each) at
         // PROBE_BUDGET of the time: a cheap draft source is probed often, the drafter less
-        const double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
+        double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
+        if (p->blind) cost += (t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);  // its forced row
         int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
         cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
         p->gain[c] = g;
@@ -249,4 +260,86 @@ void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash
         }
         p->recent[i] = T >= 1.0 ? (A + 1.0) / (T + 2.0) : -1.0;
     }
+}
+
+int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
+                             int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
+                             int32_t passes, struct dflash_replay * out, char * err, size_t err_len) {
+    if (!costs || !out || (n_traces > 0 && (!lens || !accepted))) {
+        dflash_seterr(err, err_len, "replay: costs, out, lens and accepted are required");
+        return -1;
+    }
+    if (n_max < 1 || n_max > DFLASH_MAX_DRAFT || costs->n_rows < n_max + 1 || costs->n_rows > DFLASH_MAX_ROWS ||
+        costs->n_draft < 0 || costs->n_draft > DFLASH_MAX_DRAFT || n_traces < 0 || passes < 1) {
+        dflash_seterr(err, err_len, "replay: n_max %d needs verify costs of 1 .. n_max + 1 rows (have %d), "
+                      "n_traces >= 0, passes >= 1", n_max, costs->n_rows);
+        return -1;
+    }
+    for (int32_t k = 0; k < costs->n_rows; k++) {
+        if (!(costs->t_verify[k] > 0.0) || !isfinite(costs->t_verify[k])) {
+            dflash_seterr(err, err_len, "replay: t_verify[%d] is not a positive time", k);
+            return -1;
+        }
+    }
+    for (int32_t n = 0; n < costs->n_draft; n++) {
+        if (!(costs->t_draft[n] >= 0.0) || !isfinite(costs->t_draft[n])) {
+            dflash_seterr(err, err_len, "replay: t_draft[%d] is not a time", n);
+            return -1;
+        }
+    }
+    size_t total = 0;
+    for (int32_t t = 0; t < n_traces; t++) {
+        if (lens[t] < 0) {
+            dflash_seterr(err, err_len, "replay: trace %d has a negative length", t);
+            return -1;
+        }
+        total += (size_t) lens[t];
+    }
+    for (size_t j = 0; j < total; j++) {
+        if (accepted[j] < 0 || accepted[j] > n_max) {
+            dflash_seterr(err, err_len, "replay: accepted[%zu] = %d is outside 0 .. n_max", j, accepted[j]);
+            return -1;
+        }
+    }
+    for (size_t i = 0; conf && i < total * (size_t) n_max; i++) {
+        if (!(conf[i] >= 0.0f && conf[i] <= 1.0f)) {
+            dflash_seterr(err, err_len, "replay: conf[%zu] is not a probability", i);
+            return -1;
+        }
+    }
+    struct dflash_policy p;
+    dflash_policy_init(&p);
+    p.costs = *costs;
+    p.have_costs = true;
+    if (cal) dflash_policy_set_calibration(&p, cal);
+    float expected[DFLASH_MAX_DRAFT];
+    for (int32_t pass = 0; pass < passes; pass++) {
+        memset(out, 0, sizeof(*out));
+        size_t off = 0;
+        for (int32_t t = 0; t < n_traces; off += (size_t) lens[t++]) {
+            // dflash_engine_step's order: the cap, plan, draft, cut, verify (greedy), observe
+            for (int32_t j = 0; j < lens[t];) {
+                const int32_t left = lens[t] - j - 1;  // never draft past the token budget
+                const int32_t n_cap = left < n_max ? left : n_max;
+                const bool adaptive = n_cap > 0;
+                bool probe = false;
+                const int32_t n = adaptive ? dflash_policy_plan(&p, n_cap, &probe) : 0;
+                const float * c = n > 0 && conf ? conf + (off + (size_t) j) * (size_t) n_max : NULL;
+                const int32_t k = n > 0 ? dflash_policy_choose(&p, c, n, n, expected) : 0;
+                const int32_t a = accepted[off + (size_t) j];
+                const int32_t got = k < a ? k : a;
+                const double td = dflash_policy_t_draft(&p, n), tv = dflash_policy_t_verify(&p, k + 1);
+                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, tv, k + 1);
+                out->seconds += td + tv;
+                out->steps++;
+                out->plain_steps += n == 0;
+                out->made += n;
+                out->drafted += k;
+                out->accepted += got;
+                j += got + 1;
+            }
+        }
+        out->plain_seconds = (double) total * costs->t_verify[0];
+    }
+    return 0;
 }

@@ -25,6 +25,9 @@ struct dflash_policy {
     double last_gain;                   // the same for the last draft (dflash_policy_choose)
     int32_t skipped[DFLASH_POLICY_STATES];     // plain steps in this state since its last draft
     int32_t probe_every[DFLASH_POLICY_STATES]; // while drafts in this state do not pay: one in this many
+    bool probing;                 // the last plan was such a probe
+    bool blind;                   // the last draft came without confidences (a draft source): a probe
+                                  // verifies at least its first slot, or nothing would ever be learnt
     int32_t ep_state;             // the cold state (0, 1) whose draft opened the current streak, or -1
     double ep_gain;               // the streak's expected gain so far
     double rate;                  // committed tokens per second, EMA over steps

@@ -46,6 +46,8 @@ def invariant_checker(n, records):
         # everything before the anchor is in both caches, nothing else
         assert s["target_len"] == s["committed"] - 1
         assert s["drafter_len"] == s["committed"] - 1
+        assert s["drafted"] <= s["made"] <= n
+        assert len(s["conf"]) in (0, s["made"]) and all(0.0 <= c <= 1.0 for c in s["conf"])
     return on_step
 
 
@@ -90,6 +92,29 @@ def test_greedy_identity_dflash_and_oracle(artifacts, name, capsys):
               f"{len(report)} near-tie divergences" + "".join(f"\n  {r}" for r in report))
     assert steps_total > 0
     g.close()
+
+
+def test_step_records_confidence_and_anchor_margin(artifacts):
+    """Each step's record carries the drafter's per-slot confidences (none from a draft source) and
+    the anchor row's margin, which is plain decoding's margin at that token."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=2) as g:
+        toks = g.tokenize(PROMPTS[0])
+        plain = g.generate(toks, 32, draft_len=0, stop_on_eos=False, return_margins=True)
+        steps: list[dict] = []
+        spec = g.generate(toks, 32, draft_len=3, speculation="on", stop_on_eos=False, on_step=steps.append)
+        prev = len(toks) + 1  # after the prefill: the prompt and the first token, the first anchor
+        for s in steps:
+            assert s["made"] == len(s["conf"]) > 0 or s["made"] == 0
+            i = prev - len(toks) - 1  # the anchor's index in the output
+            if spec.tokens[: i + 1] == plain.tokens[: i + 1]:
+                assert abs(s["anchor_margin"] - plain.margins[i]) < 0.05, (i, s["anchor_margin"], plain.margins[i])
+            prev = s["committed"]
+        assert sum(s["made"] for s in steps) > 0
+        steps = []
+        oracle = ReplayDraftSource.cycling(toks + plain.tokens, g.n_vocab)
+        g.generate(toks, 32, draft_len=3, stop_on_eos=False, draft_source=oracle, on_step=steps.append)
+        assert all(s["conf"] == [] for s in steps) and sum(s["made"] for s in steps) > 0
 
 
 def test_plain_same_path_matches_llama_cpp(artifacts):

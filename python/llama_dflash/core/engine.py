@@ -290,7 +290,8 @@ class EngineCore(_native.Resource):
             def _step(_ud, s):
                 try:
                     on_step({"step": s.step, "drafted": s.drafted, "accepted": s.accepted,
-                             "committed": s.committed, "target_len": s.target_len, "drafter_len": s.drafter_len})
+                             "committed": s.committed, "target_len": s.target_len, "drafter_len": s.drafter_len,
+                             "made": s.made, "anchor_margin": s.anchor_margin, "conf": list(s.conf[0:s.n_conf])})
                 except BaseException as ex:
                     r.errors.append(ex)
             step_cb = ffi.callback("dflash_step_fn", _step)

@@ -170,7 +170,10 @@ class SpeculativeGenerator(_native.Resource):
         drafter's block - 1; 0 decodes plainly).  p_min cuts a greedy / match
         draft at its first slot less confident than p_min.  draft_source
         replaces the DFlash drafter with a Python callable.  on_step receives
-        each step's cache state.  reuse_prefix keeps the previous generation's
+        each step's record (a dict): its cache state (committed, target_len, drafter_len), the
+        drafts made, verified and accepted (made, drafted, accepted), the drafter's confidence per
+        made slot (conf; empty for a draft source) and, greedy, the anchor row's top-1 minus top-2
+        logit (anchor_margin; NaN otherwise).  reuse_prefix keeps the previous generation's
         KV / drafter cache for the common prefix (a chat's earlier turns) and
         prefills only the rest.  speculation: "auto" chooses each step's draft length in
         0..draft_len from the measured cost model and the drafter's calibrated confidence

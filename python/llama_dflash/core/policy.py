@@ -5,7 +5,8 @@ The engine measures the cost model on its first adaptive generation (verify batc
 1 .. n_max + 1 rows and drafts of 1 .. n_max tokens: a fraction of a second on the default
 model), refines it and the calibration from every step it times, and this module keeps both
 in the cache folder per (target file, drafter file, threads, placement, mode, llama.cpp
-build), so the next start reuses them.
+build), so the next start reuses them.  `replay` runs the engine's policy on dense traces, with no
+model and no timing (bench/bench_policy.py, tests/test_policy.py).
 """
 
 from __future__ import annotations
@@ -64,3 +65,42 @@ def save(engine, key: str) -> None:
     snap = snapshot(engine)
     if snap is not None:
         JsonStore(_STORE).put(key, snap)
+
+
+def replay(traces, t_verify, t_draft, n_max: int, passes: int = 2, calibration: dict | None = None) -> dict:
+    """The engine's adaptive steps replayed on dense traces (dflash_policy_replay): no model runs.
+
+    traces: one list per generation, one (accepted, conf) pair per anchor position of its fixed
+    output -- how many tokens of the drafter's n_max-token draft from there the output continues
+    with, and that draft's per-slot confidences (n_max of them; None for a draft source without
+    them, in every pair).  t_verify: seconds per verify batch of 1 .. n_max + 1 (or more) rows;
+    t_draft: per draft of 1 .. n tokens.  One policy state runs through the traces in order; the
+    last of `passes` is reported: seconds (cost-model time of its steps), plain_seconds (plain
+    steps over the same tokens), steps, plain_steps, made, drafted, accepted."""
+    lens = [len(tr) for tr in traces]
+    flat = [x for tr in traces for x in tr]
+    confs = [c for _, c in flat]
+    has_conf = any(c is not None for c in confs)
+    if has_conf and any(c is None or len(c) != n_max for c in confs):
+        raise ValueError(f"each position needs n_max = {n_max} confidences (or none anywhere)")
+    costs = ffi.new("struct dflash_costs *")
+    if len(t_verify) > int(lib.DFLASH_MAX_ROWS) or len(t_draft) > int(lib.DFLASH_MAX_DRAFT):
+        raise ValueError("too many cost-model sizes")
+    costs.n_rows, costs.n_draft = len(t_verify), len(t_draft)
+    for i, x in enumerate(t_verify):
+        costs.t_verify[i] = float(x)
+    for i, x in enumerate(t_draft):
+        costs.t_draft[i] = float(x)
+    cal = ffi.NULL
+    if calibration is not None:
+        cal = ffi.new("struct dflash_calibration *", {"reached": calibration["reached"],
+                                                      "accepted": calibration["accepted"]})
+    acc = ffi.new("int32_t[]", [int(a) for a, _ in flat] or [0])
+    cf = ffi.new("float[]", [float(x) for c in confs for x in c]) if has_conf else ffi.NULL
+    out = ffi.new("struct dflash_replay *")
+    err = _native.err_buf()
+    if lib.dflash_policy_replay(costs, cal, n_max, len(lens), ffi.new("int32_t[]", lens or [0]), acc, cf, passes,
+                                out, err, _native.ERR_LEN) != 0:
+        raise DFlashError(_native.err_str(err))
+    return {k: getattr(out, k) for k in ("seconds", "plain_seconds", "steps", "plain_steps", "made", "drafted",
+                                          "accepted")}

@@ -1,0 +1,246 @@
+"""What a draft-length policy can reach with this drafter on this machine, from dense traces.
+
+For every position of each prompt's plain greedy output, the drafter's n_max-token draft from there
+(with the DFlash2 walk's per-slot confidences, what adaptive steps calibrate) and how many of its
+tokens the output continues with.  Greedy output is the plain one under every length policy (exact
+mode; the default mode rounds some near ties apart), so on these traces the steps of any policy, and
+the cost model's time for them, follow exactly:
+
+  - the oracle: dynamic programming over positions, knowing every draft's acceptance; it drafts
+    exactly what will be accepted, or steps plainly (bench_adaptive's ceiling, made exact);
+  - causal policies, which know only what their own drafts showed them: draft n tokens, then cut
+    the draft to the k with the most expected committed tokens net of the rows' time at the plain
+    rate, the confidences calibrated on these same traces (optimistic for them); either every
+    step ("always n"), or only while the last draft got at least A tokens accepted, with a probe
+    draft every P plain steps ("streak");
+  - the same causal policies with free drafts (t_draft = 0): what the confidence signal is worth
+    by itself, whatever the drafter's cost.
+
+Beside them, measured in the same run, interleaved prompt by prompt (decode tok/s, prefill
+excluded): our plain loop and our adaptive loop (speculation "auto", the default).  The cost model
+is the engine's own, measured and refined by those runs.  Greedy only (T > 0 has no fixed output
+to trace against).  Needs a DFlash2 drafter (the confidences come from its lattice).
+
+Usage: python3 bench/bench_policy.py [--problems 20] [--prose 20] [--tokens 128] [--out bench/results/policy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_adaptive import PROSE
+
+from llama_dflash import SpeculativeGenerator
+from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.core import policy
+from llama_dflash.core.drafter import walk_lattice
+from llama_dflash.train.prompts import chatml, humaneval_prompts
+
+BINS = 10  # confidence bins of the calibration (as the engine's)
+
+
+def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_max: int) -> list[dict]:
+    """At every anchor gen[j]: the drafter's n_max-token draft (its context: every position before
+    the anchor), its confidences, and how many of its tokens equal gen[j+1:]."""
+    d = g.drafter
+    feats = g.features(prompt + gen)
+    d.reset()
+    d.push(feats[: len(prompt)])
+    out = []
+    for j in range(len(gen) - 1):
+        ids = d.draft(gen[j], n_max)
+        walked, conf = walk_lattice(*d.last_lattice())
+        if walked != ids:
+            raise AssertionError(f"the lattice's walk {walked} is not the draft {ids}")
+        ref, a = gen[j + 1: j + 1 + n_max], 0
+        while a < len(ids) and a < len(ref) and ids[a] == ref[a]:
+            a += 1
+        out.append({"a": a, "conf": [round(float(c), 4) for c in conf]})
+        d.push(feats[len(prompt) + j: len(prompt) + j + 1])
+    return out
+
+
+def _bin(c: float) -> int:
+    return min(BINS - 1, max(0, int(c * BINS)))
+
+
+def calibration(traces: list[list[dict]], n_max: int) -> np.ndarray:
+    """P(slot i accepted | slots before it accepted, its confidence bin), fitted on the traces."""
+    reach, acc = np.zeros((n_max, BINS)), np.zeros((n_max, BINS))
+    for tr in traces:
+        for x in tr:
+            for i in range(min(x["a"] + 1, len(x["conf"]))):
+                reach[i, _bin(x["conf"][i])] += 1
+                acc[i, _bin(x["conf"][i])] += i < x["a"]
+    return (acc + 1) / (reach + 2)
+
+
+def oracle_time(tr: list[dict], tv: list[float], td: list[float]) -> float:
+    """The least cost-model time to commit the trace's tokens, knowing every acceptance."""
+    n = len(tr)
+    dp = [0.0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        dp[j] = tv[0] + dp[j + 1]
+        for k in range(1, tr[j]["a"] + 1):
+            dp[j] = min(dp[j], td[k] + tv[k] + dp[min(n, j + k + 1)])
+    return dp[0]
+
+
+def cut(cal: np.ndarray, conf: list[float], tv: list[float]) -> int:
+    """The k (0 .. len(conf)) with the most expected committed tokens net of the verify rows' time
+    at the plain rate (the draft is already paid for)."""
+    rate = 1.0 / tv[0]
+    e, prod, best, best_k = 1.0, 1.0, 1.0 - rate * tv[0], 0
+    for k in range(1, len(conf) + 1):
+        prod *= cal[k - 1, _bin(conf[k - 1])]
+        e += prod
+        if e - rate * tv[k] > best:
+            best, best_k = e - rate * tv[k], k
+    return best_k
+
+
+def causal_time(tr: list[dict], cal: np.ndarray, tv: list[float], td: list[float], n: int,
+                min_acc: int | None = None, probe_every: int = 0) -> float:
+    """Cost-model time of a causal policy on one trace: draft n tokens (every step, or while the
+    last draft got >= min_acc accepted, probing every probe_every plain steps), cut by confidence."""
+    j, t, on, skipped = 0, 0.0, True, 0
+    while j < len(tr):
+        if min_acc is not None and not on:
+            skipped += 1
+            if skipped < probe_every:
+                t += tv[0]
+                j += 1
+                continue
+            skipped = 0
+        x = tr[j]
+        k = cut(cal, x["conf"][:n], tv)
+        got = min(k, x["a"])
+        t += td[n] + tv[k]
+        j += got + 1
+        if min_acc is not None:
+            on = got >= min_acc
+    return t
+
+
+def replay_time(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int) -> float:
+    """Cost-model time of the engine's own adaptive steps on the traces (core.policy.replay: one
+    policy state throughout, a warm-up pass over them first)."""
+    r = policy.replay([[(x["a"], x["conf"]) for x in tr] for tr in traces], tv, td[1:], n_max, passes=2)
+    return r["seconds"]
+
+
+def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int) -> dict:
+    cal = calibration(traces, n_max)
+    plain = sum(len(tr) for tr in traces) * tv[0]
+    res = {"oracle": plain / sum(oracle_time(tr, tv, td) for tr in traces),
+           "engine_replay": plain / replay_time(traces, tv, td, n_max)}
+    for free in (False, True):
+        tdx = [0.0] * len(td) if free else td
+        rows = {}
+        for n in sorted({1, 3, n_max}):
+            rows[f"always n={n}"] = plain / sum(causal_time(tr, cal, tv, tdx, n) for tr in traces)
+        for a in (1, 2, 3):
+            for p in (4, 8, 16, 32):
+                rows[f"streak A={a} P={p}"] = plain / sum(causal_time(tr, cal, tv, tdx, n_max, a, p) for tr in traces)
+        best = max(rows, key=rows.get)
+        res["free_drafts" if free else "causal"] = {"best": best, "best_x": rows[best],
+                                                    "all": {k: round(v, 4) for k, v in rows.items()}}
+    return res
+
+
+def collect(a) -> dict:
+    """Measure plain and adaptive, interleaved prompt by prompt, and trace every prompt densely."""
+    drafter = a.drafter or str(shipped_drafter())
+    g = SpeculativeGenerator(str(default_target()), drafter, n_threads=2)
+    if g.drafter.info.version != 2:
+        sys.exit("bench_policy needs a DFlash2 drafter")
+    n_max = g.max_draft_len
+    sets = {"humaneval": [chatml(p.text) for p in humaneval_prompts()[: a.problems]],
+            "prose": [chatml(p) for p in PROSE[: a.prose]]}
+    g.generate(g.tokenize(sets["prose"][0]), 16)  # the cost model, before anything is timed
+    res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "tokens": a.tokens, "n_max": n_max, "target": default_target().name, "drafter": Path(drafter).name,
+           "sets": {}, "traces": {}}
+    t0 = time.time()
+    for name, prompts in sets.items():
+        traces, meas = [], {"plain": [0, 0.0], "auto": [0, 0.0], "auto_plain_steps": 0, "auto_steps": 0,
+                            "auto_predicted_s": 0.0, "auto_measured_s": 0.0, "identical": 0}
+        for i, text in enumerate(prompts):
+            toks = g.tokenize(text)
+            plain = g.generate(toks, a.tokens, draft_len=0)
+            auto = g.generate(toks, a.tokens)
+            meas["identical"] += auto.tokens == plain.tokens  # (default mode: near ties may round apart)
+            for key, r in (("plain", plain), ("auto", auto)):
+                meas[key][0] += max(0, r.stats.n_generated - 1)
+                meas[key][1] += r.stats.t_total_s
+            s = auto.stats
+            meas["auto_plain_steps"] += s.plain_steps
+            meas["auto_steps"] += s.steps
+            meas["auto_predicted_s"] += s.t_predicted_s
+            meas["auto_measured_s"] += s.t_draft_s + s.t_verify_s
+            traces.append(dense_trace(g, toks, plain.tokens, n_max))
+            print(f"  {name} [{i + 1}/{len(prompts)}] {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        res["traces"][name] = traces
+        res["sets"][name] = {"measured": meas}
+    cm = g.cost_model()
+    res["cost_model_ms"] = {k: [round(1e3 * x, 4) for x in cm[k]] for k in ("t_verify", "t_draft")}
+    g.close()
+    return res
+
+
+def analyse(res: dict) -> None:
+    """Each set's policies on its traces, under the run's cost model (in place)."""
+    tv = [x / 1e3 for x in res["cost_model_ms"]["t_verify"]]
+    td = [0.0, *(x / 1e3 for x in res["cost_model_ms"]["t_draft"])]
+    for name, s in res["sets"].items():
+        m, traces = s["measured"], res["traces"][name]
+        plain_rate, auto_rate = m["plain"][0] / m["plain"][1], m["auto"][0] / m["auto"][1]
+        pol = policies(traces, tv, td, res["n_max"])
+        s["summary"] = sm = {
+            "positions": sum(len(tr) for tr in traces),
+            "mean_accepted": round(float(np.mean([x["a"] for tr in traces for x in tr])), 3),
+            "oracle_x": round(pol["oracle"], 4), "engine_replay_x": round(pol["engine_replay"], 4),
+            "causal": pol["causal"], "free_drafts": pol["free_drafts"],
+            "plain_tok_s": round(plain_rate, 2), "auto_x": round(auto_rate / plain_rate, 4),
+            "auto_plain_steps": f"{m['auto_plain_steps']} of {m['auto_steps']}",
+            "auto_predicted_over_measured": round(m["auto_predicted_s"] / m["auto_measured_s"], 4),
+            "auto_identical_to_plain": f"{m['identical']} of {len(traces)}",
+        }
+        print(f"{name}: oracle {sm['oracle_x']:.3f}x; best causal {sm['causal']['best_x']:.3f}x "
+              f"({sm['causal']['best']}); the engine's policy replayed {sm['engine_replay_x']:.3f}x; "
+              f"with free drafts {sm['free_drafts']['best_x']:.3f}x; measured adaptive {sm['auto_x']:.3f}x "
+              f"of plain {sm['plain_tok_s']:.1f} tok/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=int, default=20)
+    ap.add_argument("--prose", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--drafter", default="", help="a DFlash2 drafter GGUF (default: the shipped one)")
+    ap.add_argument("--traces", default="", help="the run's traces and measurements: written there, or, when the "
+                    "file exists, read back and analysed again (e.g. after a policy change) without running anything")
+    ap.add_argument("--out", default="bench/results/policy.json")
+    a = ap.parse_args()
+    tf = Path(a.traces) if a.traces else None
+    if tf and tf.is_file():
+        res = json.loads(tf.read_text())
+        res["analysed"] = f"python3 {' '.join(sys.argv)} at {datetime.datetime.now().isoformat(timespec='seconds')}"
+    else:
+        res = collect(a)
+        if tf:
+            tf.write_text(json.dumps(res))
+    analyse(res)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: v for k, v in res.items() if k != "traces"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
