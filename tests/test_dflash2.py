@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.core.drafter import Drafter
+from llama_dflash.core.drafter import Drafter, walk_lattice
 from llama_dflash.formats import convert_hf_to_gguf
 from llama_dflash.formats.gguf import read_tensors
 from llama_dflash.verify.reference import DFlashReference
@@ -182,6 +182,27 @@ def test_p_min_cuts_the_walk(artifacts, load_model, v2_drafter):
     for thr in thresholds:
         want = next((k for k, c in enumerate(conf) if c < thr), 7)
         assert d.draft(55, 7, p_min=thr) == full[:want]
+    d.close()
+
+
+def test_confidence_is_the_walk_capped_by_the_unary_probability(artifacts, load_model, v2_drafter):
+    """What adaptive steps calibrate, per slot: the walk's softmax over the K candidates, no more
+    than the unary head's probability of the token over the whole draft vocabulary."""
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    d = Drafter(v2_drafter, model, n_ctx=128, n_threads=2)
+    d.push(np.random.default_rng(5).standard_normal((20, 192)).astype(np.float32))
+    ids, logits, conf = d.draft(55, 7, return_logits=True, return_conf=True)
+    assert d.draft(55, 7) == ids  # (asking for them changes no token)
+    cand, scores = d.last_lattice()
+    walked, walk_conf = walk_lattice(cand, scores)
+    assert walked == ids
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    unary = [float(p[k, t]) for k, t in enumerate(ids)]
+    want = np.minimum(walk_conf, unary)
+    assert np.allclose(conf, want, rtol=1e-4, atol=1e-6), (conf, list(walk_conf), unary)
+    assert any(u < w for u, w in zip(unary, walk_conf, strict=True))  # (the cap bites on this drafter)
     d.close()
 
 

@@ -64,7 +64,8 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
                          struct dflash_sample_req * samp, char * err, size_t err_len) {
     const struct dflash_drafter_info * hp = &d->hp;
     struct dflash_graph G;
-    if (!dflash_build_graph(d, &G, sts, n_seq, n_block, out_logits != NULL, samp && hp->version == 1)) {
+    const bool want_probs = samp && samp->conf && !samp->rng && hp->version == 2 && n_seq == 1;
+    if (!dflash_build_graph(d, &G, sts, n_seq, n_block, out_logits != NULL, samp && hp->version == 1, want_probs)) {
         dflash_seterr(err, err_len, "failed to build the drafter graph");
         return -1;
     }
@@ -146,6 +147,18 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
             if (samp) {
                 samp->k = K;
                 samp->n_out = got;
+            }
+        }
+        if (want_probs && G.cand_p) {
+            // each slot's confidence: no more than the unary head gives its token (whichever walk ran)
+            float p[DFLASH_MAX_DRAFT * 64];
+            ggml_backend_tensor_get(G.cand_p, p, 0, sizeof(float) * nk);
+            for (int32_t k = 0; k < samp->n_out; k++) {
+                for (int32_t b = 0; b < K; b++) {
+                    if (sts[0]->last_cand[(size_t) k * K + b] != out_tokens[k]) continue;
+                    if (p[(size_t) k * K + b] < samp->conf[k]) samp->conf[k] = p[(size_t) k * K + b];
+                    break;
+                }
             }
         }
     } else if (n_block > 0 && samp) {

@@ -92,11 +92,13 @@ struct dflash_graph {
     struct ggml_tensor * logits, * argmax;                               // outputs, [.., n * n_seq]
     struct ggml_tensor * anchor;                                         // DFlash2: [n_seq] anchor ids
     struct ggml_tensor * cand, * scores;                                 // top-K ids, lattice / logits
+    struct ggml_tensor * cand_p;                                         // DFlash2 (on request): [K, n * n_seq]
+                                                                         // candidate over the draft vocabulary
     int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
 };
 
 bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
-                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk);
+                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk, bool want_probs);
 void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool causal, int32_t window);
 
 // select.c: a draft's token choice on the host.
@@ -107,7 +109,8 @@ struct dflash_sample_req {
     float * q;        // n x k
     int32_t k;
     float p_min;      // greedy: stop at the first slot less confident than this
-    float * conf;     // greedy (optional): each drafted slot's confidence, as p_min reads it
+    float * conf;     // greedy (optional): each drafted slot's confidence (DFlash2: the smaller of the
+                      // walk's, which p_min reads, and the unary head's probability of the token)
     int32_t n_out;    // tokens produced
     struct dflash_token_filter * filter;  // optional: only allowed candidates
 };

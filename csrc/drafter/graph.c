@@ -106,7 +106,7 @@ static struct ggml_tensor * to_target_ids(const struct dflash_drafter * d, struc
 // being its block's anchor.  z: [H, n * S], logits: [V, n * S].  Only ids and K x K scores per
 // slot go back to the host.
 static void build_selector(const struct dflash_drafter * d, struct dflash_graph * G, struct ggml_context * ctx,
-                           struct ggml_tensor * z, struct ggml_tensor * logits, int64_t n, int64_t S) {
+                           struct ggml_tensor * z, struct ggml_tensor * logits, int64_t n, int64_t S, bool want_probs) {
     const struct dflash_drafter_info * hp = &d->hp;
     const int64_t K = hp->selector_top_k, R = hp->selector_rank, V = logits->ne[0], N = n * S;
     struct ggml_tensor * cand_d = ggml_top_k(ctx, logits, (int) K);                                // [K, N]
@@ -133,12 +133,20 @@ static void build_selector(const struct dflash_drafter * d, struct dflash_graph 
     ggml_set_output(scores);
     ggml_build_forward_expand(G->gf, cand);
     ggml_build_forward_expand(G->gf, scores);
+    if (want_probs) {
+        // the lattice's softmax sees only its K candidates: the mass beyond them (a flat unary
+        // distribution) says how sure the slot really is
+        struct ggml_tensor * p = ggml_soft_max(ctx, logits);
+        G->cand_p = ggml_get_rows(ctx, ggml_reshape_3d(ctx, p, 1, V, N), cand_d); // [1, K, N]
+        ggml_set_output(G->cand_p);
+        ggml_build_forward_expand(G->gf, G->cand_p);
+    }
 }
 
 // Inject every state's pending rows; then, if n_block > 0, run one block per state at
 // positions [a_s, a_s + n_block) with a_s = its committed length.
 bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
-                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk) {
+                        int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk, bool want_probs) {
     const struct dflash_drafter_info * hp = &d->hp;
     memset(G, 0, sizeof(*G));
     struct ggml_init_params ip = { d->meta_size, d->meta_buf, true };
@@ -262,7 +270,7 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         ggml_build_forward_expand(G->gf, G->logits);
     }
     if (hp->version == 2) {
-        build_selector(d, G, ctx, z, logits, n, n_seq);
+        build_selector(d, G, ctx, z, logits, n, n_seq, want_probs);
         return true;
     }
     if (want_topk) {

@@ -645,7 +645,7 @@ static bool init_compute(struct dflash_drafter * d, int32_t n_ctx, char * err, s
     st->n_cached = n_ctx - n_block - n_feat > 0 ? n_ctx - n_block - n_feat : 0;
     bool ok = true;
     struct dflash_graph G;
-    if (n_block >= 2 && dflash_build_graph(d, &G, &st, 1, n_block, true, false)) {
+    if (n_block >= 2 && dflash_build_graph(d, &G, &st, 1, n_block, true, false, true)) {
         if (!ggml_backend_sched_reserve(d->sched, G.gf)) {
             dflash_seterr(err, err_len, "out of memory reserving the drafter compute buffer");
             ok = false;

@@ -64,18 +64,25 @@ class Drafter(_native.Resource):
         if lib.dflash_drafter_push(self._d, ffi.from_buffer("float[]", f), f.shape[0], err, _native.ERR_LEN):
             raise DFlashError(_native.err_str(err))
 
-    def draft(self, anchor: int, n: int, return_logits: bool = False, p_min: float = 0.0):
-        """Greedy draft of n tokens after `anchor` (fewer when p_min cuts it); optionally
-        also the [n, vocab] logits."""
+    def draft(self, anchor: int, n: int, return_logits: bool = False, p_min: float = 0.0,
+              return_conf: bool = False):
+        """Greedy draft of n tokens after `anchor` (fewer when p_min cuts it); optionally also the
+        [n, vocab] logits and each drafted slot's confidence (what adaptive steps calibrate), in
+        that order after the ids."""
         toks = ffi.new("int32_t[]", max(n, 1))
         logits = np.empty((max(n, 0), self.info.n_vocab), dtype=np.float32) if return_logits else None
         lp = ffi.from_buffer("float[]", logits) if return_logits and n > 0 else ffi.NULL
+        conf = ffi.new("float[]", max(n, 1)) if return_conf else ffi.NULL
         err = _native.err_buf()
-        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, ffi.NULL, toks, ffi.NULL, lp, err, _native.ERR_LEN)
+        got = lib.dflash_drafter_draft(self._d, anchor, n, p_min, ffi.NULL, toks, conf, lp, err, _native.ERR_LEN)
         if got < 0:
             raise DFlashError(_native.err_str(err))
-        ids = list(toks[0:got])
-        return (ids, logits) if return_logits else ids
+        out = [list(toks[0:got])]
+        if return_logits:
+            out.append(logits)
+        if return_conf:
+            out.append([float(c) for c in conf[0:got]])
+        return tuple(out) if len(out) > 1 else out[0]
 
     def draft_sample(self, anchor: int, n: int, temperature: float, seed: int):
         """Sampled draft at temperature > 0: (tokens, cand [n, k], q [n, k]), q being the

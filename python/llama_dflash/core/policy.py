@@ -19,13 +19,14 @@ from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
 _STORE = "costs.json"
+_VERSION = 2  # what the calibration's confidences mean (2: DFlash2's capped by the unary probability)
 
 
 def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None, n_threads: int,
              placement: str, exact: bool) -> str:
     """What the cost model and calibration depend on."""
     return key_of(*file_id(model_path), *(file_id(drafter_path) if drafter_path else ["none"]), *build_id(),
-                  n_threads, placement, exact)
+                  n_threads, placement, exact, _VERSION)
 
 
 def load(engine, key: str) -> bool:
