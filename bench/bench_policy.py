@@ -4,7 +4,10 @@ For every position of each prompt's plain greedy output, the drafter's n_max-tok
 (with the DFlash2 walk's per-slot confidences, what adaptive steps calibrate) and how many of its
 tokens the output continues with.  Greedy output is the plain one under every length policy (exact
 mode; the default mode rounds some near ties apart), so on these traces the steps of any policy, and
-the cost model's time for them, follow exactly:
+the cost model's time for them, follow -- exactly, but for two things: a draft of n < n_max tokens
+is a block of n + 1 rows that attend to each other, so it need not be the long draft's start (the
+share of positions where a 3-token draft is, is reported); and the replay takes every draft as
+returned whole (no p_min, n_min or grammar cut).  The policies:
 
   - the oracle: dynamic programming over positions, knowing every draft's acceptance; it drafts
     exactly what will be accepted, or steps plainly (bench_adaptive's ceiling, made exact);
@@ -37,16 +40,20 @@ import numpy as np
 from bench_adaptive import PROSE
 
 from llama_dflash import SpeculativeGenerator
+from llama_dflash._native import lib
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core import policy
+from llama_dflash.core.drafter import walk_lattice
 from llama_dflash.train.prompts import chatml, humaneval_prompts
 
-BINS = 10  # confidence bins of the calibration (as the engine's)
+BINS = int(lib.DFLASH_CAL_BINS)  # confidence bins of the calibration (the engine's)
+SHORT = 3  # a shorter draft compared with the long one's first tokens (the block attends both ways)
 
 
 def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_max: int) -> list[dict]:
     """At every anchor gen[j]: the drafter's n_max-token draft (its context: every position before
-    the anchor), its confidences, and how many of its tokens equal gen[j+1:]."""
+    the anchor), its confidences (the engine's, and the walk's softmax alone), how many of its tokens
+    equal gen[j+1:], and whether a SHORT-token draft is the long one's start."""
     d = g.drafter
     feats = g.features(prompt + gen)
     d.reset()
@@ -54,10 +61,12 @@ def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_ma
     out = []
     for j in range(len(gen) - 1):
         ids, conf = d.draft(gen[j], n_max, return_conf=True)
+        walk = walk_lattice(*d.last_lattice())[1]
+        short = d.draft(gen[j], SHORT)
         ref, a = gen[j + 1: j + 1 + n_max], 0
         while a < len(ids) and a < len(ref) and ids[a] == ref[a]:
             a += 1
-        out.append({"a": a, "conf": [round(float(c), 4) for c in conf]})
+        out.append({"a": a, "conf": conf, "walk": [float(c) for c in walk], "prefix": short == ids[:SHORT]})
         d.push(feats[len(prompt) + j: len(prompt) + j + 1])
     return out
 
@@ -134,8 +143,10 @@ def replay_time(traces: list[list[dict]], tv: list[float], td: list[float], n_ma
 def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int) -> dict:
     cal = calibration(traces, n_max)
     plain = sum(len(tr) for tr in traces) * tv[0]
+    walk = [[{"a": x["a"], "conf": x["walk"]} for x in tr] for tr in traces]
     res = {"oracle": plain / sum(oracle_time(tr, tv, td) for tr in traces),
-           "engine_replay": plain / replay_time(traces, tv, td, n_max)}
+           "engine_replay": plain / replay_time(traces, tv, td, n_max),
+           "engine_replay_walk_conf": plain / replay_time(walk, tv, td, n_max)}
     for free in (False, True):
         tdx = [0.0] * len(td) if free else td
         rows = {}
@@ -145,7 +156,7 @@ def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: 
             for p in (4, 8, 16, 32):
                 rows[f"streak A={a} P={p}"] = plain / sum(causal_time(tr, cal, tv, tdx, n_max, a, p) for tr in traces)
         best = max(rows, key=rows.get)
-        res["free_drafts" if free else "causal"] = {"best": best, "best_x": rows[best],
+        res["free_drafts" if free else "causal"] = {"best": best, "best_x": round(rows[best], 4),
                                                     "all": {k: round(v, 4) for k, v in rows.items()}}
     return res
 
@@ -202,6 +213,8 @@ def analyse(res: dict) -> None:
             "positions": sum(len(tr) for tr in traces),
             "mean_accepted": round(float(np.mean([x["a"] for tr in traces for x in tr])), 3),
             "oracle_x": round(pol["oracle"], 4), "engine_replay_x": round(pol["engine_replay"], 4),
+            "engine_replay_walk_conf_x": round(pol["engine_replay_walk_conf"], 4),
+            "short_draft_is_prefix": round(float(np.mean([x["prefix"] for tr in traces for x in tr])), 4),
             "causal": pol["causal"], "free_drafts": pol["free_drafts"],
             "plain_tok_s": round(plain_rate, 2), "auto_x": round(auto_rate / plain_rate, 4),
             "auto_plain_steps": f"{m['auto_plain_steps']} of {m['auto_steps']}",

@@ -139,7 +139,8 @@ struct dflash_token_filter {
  * DFlash2: softmax of the selector scores on the walk).  filter (optional): only
  * allowed candidates (v1: among the slot's DFLASH_V1_SAMPLE_K best; DFlash2: the
  * lattice's K).  out_tokens: the ids.  out_conf (optional): each drafted slot's confidence,
- * as p_min reads it.  out_logits (optional): n x n_vocab floats, after logit scale and
+ * what adaptive steps calibrate (v1: as p_min reads it; DFlash2: p_min's, capped by the unary
+ * head's probability of the token over the draft vocabulary; see DFLASH_CONF_VERSION).  out_logits (optional): n x n_vocab floats, after logit scale and
  * softcap.  Returns the number of tokens drafted, or -1. */
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
                              struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
@@ -335,6 +336,7 @@ struct dflash_costs {
     double  t_draft[DFLASH_MAX_DRAFT];
 };
 
+#define DFLASH_CONF_VERSION 2 /* what drafters' confidences mean (2: DFlash2's capped by the unary probability) */
 #define DFLASH_CAL_POS  16  /* draft positions calibrated separately (later ones share the last) */
 #define DFLASH_CAL_BINS 10  /* confidence bins of width 0.1 */
 
@@ -355,7 +357,8 @@ struct dflash_step {
     int32_t target_len;    /* positions in the target KV cache */
     int32_t drafter_len;   /* positions whose features the drafter holds */
     int32_t made;          /* drafts the drafter was asked for (its cost; drafted: those verified) */
-    float   anchor_margin; /* greedy: the target's top-1 minus top-2 logit at the anchor's row (NAN else) */
+    float   anchor_margin; /* the raw top-1 minus top-2 logit of the row that gave the anchor (NAN where
+                            * rejection sampling drew it from a residual) */
     int32_t n_conf;        /* slots with a confidence in conf: made, or 0 where the draft source gives none */
     float   conf[DFLASH_MAX_DRAFT]; /* the drafter's confidence per made slot (what adaptive steps calibrate) */
 };

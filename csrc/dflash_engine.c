@@ -29,7 +29,8 @@ struct step_plan {
     bool adaptive;
     float conf_buf[DFLASH_MAX_DRAFT];
     const float * conf;                    // each drafted slot's confidence, when the drafter gives one
-    float anchor_margin;                   // the anchor row's top-1 minus top-2 logit (traces)
+    int32_t n_conf;                        // traces: slots the drafter returned with a confidence in conf_buf
+    float anchor_margin;                   // traces: the anchor row's top-1 minus top-2 logit
     double t_draft;
 };
 
@@ -503,6 +504,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     if (adaptive) n = dflash_policy_plan(&e->policy, n, &probe);
     float * conf_buf = pl->conf_buf;
     float * conf = NULL;  // each drafted slot's confidence, when the drafter gives one
+    pl->n_conf = 0;
     float expected[DFLASH_MAX_DRAFT];
 
     const double ta = dflash_now();
@@ -531,9 +533,12 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
             n_drafted = dflash_state_draft_sample(e->st, anchor, n, params->temperature, &e->rng, gf, drafts,
                                                   e->q_cand, e->q_prob, &q_k, err, err_len);
         } else if (e->drafter) {
-            conf = adaptive || e->step_fn ? conf_buf : NULL;  // (a trace reports them too)
-            n_drafted = dflash_state_draft(e->st, anchor, n, params->p_min, gf, drafts, conf, NULL, err,
+            // (a trace reports them too, but only an adaptive step learns from them)
+            float * want = adaptive || e->step_fn ? conf_buf : NULL;
+            conf = adaptive ? conf_buf : NULL;
+            n_drafted = dflash_state_draft(e->st, anchor, n, params->p_min, gf, drafts, want, NULL, err,
                                            err_len);
+            pl->n_conf = want && n_drafted > 0 ? n_drafted : 0;
         }
         if (adaptive && rejection && n_drafted > 0) {  // a sampled slot's confidence: its q
             conf = conf_buf;
@@ -681,9 +686,12 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     st->stop_reason = e->eos ? 1 : (e->n_gen >= params->max_tokens ? 2 : 0);
 
     if (e->step_fn) {
-        struct dflash_step s = { st->steps, n_drafted, n_acc, e->n_hist, target_len(e),
-                                 e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past, n_made, pl->anchor_margin, conf ? n_made : 0, {0} };
-        if (conf) memcpy(s.conf, conf, sizeof(float) * (size_t) n_made);
+        struct dflash_step s = {
+            .step = st->steps, .drafted = n_drafted, .accepted = n_acc, .committed = e->n_hist,
+            .target_len = target_len(e), .drafter_len = e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past,
+            .made = n_made, .anchor_margin = pl->anchor_margin, .n_conf = pl->n_conf,
+        };
+        memcpy(s.conf, pl->conf_buf, sizeof(float) * (size_t) pl->n_conf);
         e->step_fn(e->step_ud, &s);
     }
     return n_out;
@@ -969,17 +977,7 @@ double dflash_engine_step_cost(const dflash_engine * e, int32_t n_draft, int32_t
 }
 
 void dflash_engine_set_calibration(dflash_engine * e, const struct dflash_calibration * cal) {
-    struct dflash_calibration c = *cal;
-    for (int32_t i = 0; i < DFLASH_CAL_POS; i++) {
-        for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {  // counts: finite, >= 0, accepted <= reached
-            float r = c.reached[i][b], a = c.accepted[i][b];
-            r = isfinite(r) && r > 0.0f ? r : 0.0f;
-            a = isfinite(a) && a > 0.0f ? (a < r ? a : r) : 0.0f;
-            c.reached[i][b] = r;
-            c.accepted[i][b] = a;
-        }
-    }
-    dflash_policy_set_calibration(&e->policy, &c);
+    dflash_policy_set_calibration(&e->policy, cal);
 }
 
 void dflash_engine_get_calibration(const dflash_engine * e, struct dflash_calibration * out) {

@@ -175,7 +175,7 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
         // probes back off while they find nothing, as far as keeps their cost (a draft each) at
         // PROBE_BUDGET of the time: a cheap draft source is probed often, the drafter less
         double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
-        if (p->blind) cost += (t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);  // its forced row
+        if (p->blind) cost += fmax(0.0, t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);  // its forced row
         int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
         cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
         p->gain[c] = g;
@@ -252,11 +252,20 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
 
 void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal) {
     p->cal = *cal;
+    for (int32_t i = 0; i < DFLASH_CAL_POS; i++) {
+        for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {  // counts: finite, >= 0, accepted <= reached
+            float r = p->cal.reached[i][b], a = p->cal.accepted[i][b];
+            r = isfinite(r) && r > 0.0f ? r : 0.0f;
+            a = isfinite(a) && a > 0.0f ? (a < r ? a : r) : 0.0f;
+            p->cal.reached[i][b] = r;
+            p->cal.accepted[i][b] = a;
+        }
+    }
     for (int32_t i = 0; i < DFLASH_MAX_DRAFT; i++) {  // the prior before any draft: each position's mean
         double A = 0.0, T = 0.0;
         for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {
-            A += cal->accepted[pos_of(i)][b];
-            T += cal->reached[pos_of(i)][b];
+            A += p->cal.accepted[pos_of(i)][b];
+            T += p->cal.reached[pos_of(i)][b];
         }
         p->recent[i] = T >= 1.0 ? (A + 1.0) / (T + 2.0) : -1.0;
     }
@@ -271,8 +280,9 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
     }
     if (n_max < 1 || n_max > DFLASH_MAX_DRAFT || costs->n_rows < n_max + 1 || costs->n_rows > DFLASH_MAX_ROWS ||
         costs->n_draft < 0 || costs->n_draft > DFLASH_MAX_DRAFT || n_traces < 0 || passes < 1) {
-        dflash_seterr(err, err_len, "replay: n_max %d needs verify costs of 1 .. n_max + 1 rows (have %d), "
-                      "n_traces >= 0, passes >= 1", n_max, costs->n_rows);
+        dflash_seterr(err, err_len, "replay: n_max %d (1 .. %d) needs verify costs of 1 .. n_max + 1 rows (have %d), "
+                      "draft costs of at most %d sizes (have %d), n_traces >= 0, passes >= 1", n_max, DFLASH_MAX_DRAFT,
+                      costs->n_rows, DFLASH_MAX_DRAFT, costs->n_draft);
         return -1;
     }
     for (int32_t k = 0; k < costs->n_rows; k++) {
@@ -332,7 +342,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, tv, k + 1);
                 out->seconds += td + tv;
                 out->steps++;
-                out->plain_steps += n == 0;
+                out->plain_steps += adaptive && n == 0;
                 out->made += n;
                 out->drafted += k;
                 out->accepted += got;

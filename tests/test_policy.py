@@ -196,7 +196,6 @@ def test_replay_useless_drafts_cost_almost_nothing():
     within 3 % of plain decoding (its probes cost the rest)."""
     traces = [_trace([0] * 128, lambda a, i: 0.9) for _ in range(10)]
     r = policy.replay(traces, TV, TD, 7)
-    assert r["accepted"] == 0
     assert r["plain_seconds"] / r["seconds"] >= 0.97, r
     assert r["made"] <= 0.1 * r["steps"] * 7, r
 
@@ -218,12 +217,11 @@ def test_replay_drafts_where_they_pay_and_not_elsewhere():
     conf = lambda a, i: 0.95 if i < a else 0.35  # noqa: E731
     traces = [_trace(acc, conf) for _ in range(8)]
     r = policy.replay(traces, TV, TD, 7)
-    # the best possible: plain steps where drafts fail, drafts of 5 (6 tokens a step) where they pass
-    good = sum(1 for tr in traces for a, _ in tr if a)
-    best = (good / 6 * (TD[4] + TV[5]) + (sum(map(len, traces)) - good) * TV[0])
-    assert r["plain_seconds"] / best > 1.25
-    assert r["plain_seconds"] / r["seconds"] > 1.12, r  # (1.19 as tuned today: most of the 1.28 possible)
-    assert 0 < r["plain_steps"] < r["steps"], r
+    # at best (plain steps where drafts fail, drafts of 5 where they pass) 1.28x; 1.19x as tuned today
+    assert r["plain_seconds"] / r["seconds"] > 1.12, r
+    bad = sum(1 for tr in traces for a, _ in tr if a == 0)  # 1024 positions where every draft fails
+    assert r["plain_steps"] >= 0.6 * bad, r  # mostly plain there (0.74 today: probes, the stretches' first steps)
+    assert r["accepted"] >= 0.8 * 5 / 6 * (sum(map(len, traces)) - bad), r  # (0.97 of what drafts of 5 can get)
 
 
 def test_replay_without_confidences_uses_recent_acceptance():
@@ -234,12 +232,18 @@ def test_replay_without_confidences_uses_recent_acceptance():
     assert r["plain_seconds"] / r["seconds"] > 2.0, r
 
 
-@pytest.mark.parametrize("bad", [dict(n_max=0), dict(n_max=9), dict(tv=[0.0] * 8), dict(tv=[float("nan")] * 8),
-                                 dict(acc=8), dict(acc=-1), dict(conf=1.5), dict(conf=float("nan"))])
+@pytest.mark.parametrize("bad", [dict(n_max=0), dict(n_max=9), dict(n_max=65, tv=[1e-3] * 65),
+                                 dict(tv=[0.0] * 8), dict(tv=[float("nan")] * 8), dict(td=[-1e-3] * 7),
+                                 dict(acc=8), dict(acc=-1), dict(conf=1.5), dict(conf=float("nan")),
+                                 dict(mixed=True)])
 def test_replay_refuses_bad_arguments(bad):
     from llama_dflash.errors import DFlashError
 
     n = bad.get("n_max", 7)
-    tr = [[(bad.get("acc", 1), [bad.get("conf", 0.5)] * n)] * 4] if n > 0 else [[(0, [])]]
-    with pytest.raises((DFlashError, ValueError)):
-        policy.replay(tr, bad.get("tv", TV), TD, n)
+    tr = [[(bad.get("acc", 1), [bad.get("conf", 0.5)] * n)] * 4]
+    if bad.get("mixed"):
+        tr[0][1] = (1, None)  # confidences at some positions only
+    err = ValueError if bad.get("mixed") else DFlashError
+    with pytest.raises(err):
+        policy.replay(tr, bad.get("tv", TV), bad.get("td", TD), n)
+    assert policy.replay([[(1, [0.5] * 7)] * 4], TV, TD, 7)["steps"] > 0  # (the good twin passes)

@@ -151,15 +151,21 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         }
         if (want_probs && G.cand_p) {
             // each slot's confidence: no more than the unary head gives its token (whichever walk ran)
-            float p[DFLASH_MAX_DRAFT * 64];
+            float * p = malloc(sizeof(float) * nk);
+            if (!p) {
+                ggml_free(G.ctx);
+                dflash_seterr(err, err_len, "out of memory");
+                return -1;
+            }
             ggml_backend_tensor_get(G.cand_p, p, 0, sizeof(float) * nk);
             for (int32_t k = 0; k < samp->n_out; k++) {
                 for (int32_t b = 0; b < K; b++) {
                     if (sts[0]->last_cand[(size_t) k * K + b] != out_tokens[k]) continue;
-                    if (p[(size_t) k * K + b] < samp->conf[k]) samp->conf[k] = p[(size_t) k * K + b];
+                    samp->conf[k] = fminf(samp->conf[k], p[(size_t) k * K + b]);
                     break;
                 }
             }
+            free(p);
         }
     } else if (n_block > 0 && samp) {
         // v1: every slot sampled independently from its top candidates (or cut at p_min)

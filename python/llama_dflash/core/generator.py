@@ -172,13 +172,14 @@ class SpeculativeGenerator(_native.Resource):
         replaces the DFlash drafter with a Python callable.  on_step receives
         each step's record (a dict): its cache state (committed, target_len, drafter_len), the
         drafts made, verified and accepted (made, drafted, accepted), the drafter's confidence per
-        made slot (conf; empty for a draft source) and, greedy, the anchor row's top-1 minus top-2
-        logit (anchor_margin; NaN otherwise).  reuse_prefix keeps the previous generation's
-        KV / drafter cache for the common prefix (a chat's earlier turns) and
-        prefills only the rest.  speculation: "auto" chooses each step's draft length in
-        0..draft_len from the measured cost model and the drafter's calibrated confidence
-        (the default when draft_len is not given), "on" drafts draft_len tokens every step (the
-        default when it is), "off" decodes plainly; the output is the same either way.
+        slot it returned (conf, greedy drafts; empty for a draft source) and the raw top-1 minus
+        top-2 logit of the row that gave the anchor (anchor_margin; NaN after a rejection's
+        resample).  reuse_prefix keeps the previous generation's KV / drafter cache for the
+        common prefix (a chat's earlier turns) and prefills only the rest.  speculation: "auto"
+        chooses each step's draft length in 0..draft_len from the measured cost model and the
+        drafter's calibrated confidence (the default when draft_len is not given), "on" drafts
+        draft_len tokens every step (the default when it is), "off" decodes plainly; the output
+        is the same either way.
         """
         with self._run(prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
                        reuse_prefix, speculation) as run:

@@ -12,6 +12,7 @@ model and no timing (bench/bench_policy.py, tests/test_policy.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from .. import _native
 from .._native import ffi, lib
@@ -19,14 +20,13 @@ from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
 _STORE = "costs.json"
-_VERSION = 2  # what the calibration's confidences mean (2: DFlash2's capped by the unary probability)
 
 
 def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None, n_threads: int,
              placement: str, exact: bool) -> str:
     """What the cost model and calibration depend on."""
     return key_of(*file_id(model_path), *(file_id(drafter_path) if drafter_path else ["none"]), *build_id(),
-                  n_threads, placement, exact, _VERSION)
+                  n_threads, placement, exact, int(lib.DFLASH_CONF_VERSION))
 
 
 def load(engine, key: str) -> bool:
@@ -68,7 +68,8 @@ def save(engine, key: str) -> None:
         JsonStore(_STORE).put(key, snap)
 
 
-def replay(traces, t_verify, t_draft, n_max: int, passes: int = 2, calibration: dict | None = None) -> dict:
+def replay(traces: Sequence[Sequence[tuple[int, Sequence[float] | None]]], t_verify: Sequence[float],
+           t_draft: Sequence[float], n_max: int, passes: int = 2, calibration: dict | None = None) -> dict:
     """The engine's adaptive steps replayed on dense traces (dflash_policy_replay): no model runs.
 
     traces: one list per generation, one (accepted, conf) pair per anchor position of its fixed
