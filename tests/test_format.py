@@ -130,6 +130,8 @@ BAD = {
     "block_1": ({"keys": {"dflash.block_size": (1, U32, None)}}, "block_size 1 is outside 2..65"),
     "block_huge": ({"keys": {"dflash.block_size": (100000, U32, None)}}, "block_size 100000 is outside"),
     "block_string": ({"keys": {"dflash.block_size": ("16", STR, None)}}, "has type str, expected an integer"),
+    "block_anchor": ({"keys": {"dflash.block_size": (65, U32, None), "dflash.sample_from_anchor": (True, BOOL, None)}},
+                     "block_size 65 with sample_from_anchor drafts 65 tokens, more than 64"),
     "layers_string": ({"keys": {"dflash.target_layers": (["1", "3"], ARR, STR)}}, "array of str, expected integers"),
     "layers_zero": ({"keys": {"dflash.target_layers": ([0, 3], ARR, GGUFValueType.INT32)}}, "stored + 1"),
     "no_block_size": ({"drop": ["dflash.block_size"]}, "missing or invalid key 'dflash.block_size'"),

@@ -190,6 +190,10 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
         FAIL("'%s': unsupported attention shape (heads %d, kv heads %d, head size %d)", path, hp->n_head, hp->n_head_kv, hp->head_dim);
     }
     if (hp->block_size < 2 || hp->block_size > DFLASH_MAX_DRAFT + 1) FAIL("'%s': block_size %d is outside 2..%d", path, hp->block_size, DFLASH_MAX_DRAFT + 1);
+    if (dflash_max_draft(hp) > DFLASH_MAX_DRAFT) {  // (sample_from_anchor: every row of the block drafts)
+        FAIL("'%s': block_size %d with sample_from_anchor drafts %d tokens, more than %d", path, hp->block_size,
+             dflash_max_draft(hp), DFLASH_MAX_DRAFT);
+    }
     if (!(hp->rms_eps > 0.0f && hp->rms_eps < 1.0f)) FAIL("'%s': rms epsilon %g is outside (0, 1)", path, (double) hp->rms_eps);
     if (!(hp->rope_theta > 0.0f)) FAIL("'%s': rope freq_base %g must be positive", path, (double) hp->rope_theta);
     if (hp->n_ctx_train < 1) FAIL("'%s': context_length must be positive", path);
