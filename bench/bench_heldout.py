@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from llama_dflash.formats.gguf import read_tensors
-from llama_dflash.train.data import Dataset
 from llama_dflash.train.loop import evaluate_source
-from llama_dflash.train.run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights
+from llama_dflash.train.run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights, run_dataset
 from llama_dflash.verify.reference import DFlashReference
 
 
@@ -48,7 +47,7 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="finished run directories")
     ap.add_argument("--out", default="bench/results/heldout.json")
     a = ap.parse_args()
-    on = Dataset(Path(a.on) / "data")
+    on = run_dataset(a.on)
     rows = []
     for run in map(Path, a.runs):
         t0 = time.time()
@@ -56,7 +55,7 @@ def main() -> None:
         emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
         vocab = None
         if 0 < spec.draft_vocab < tinfo["n_vocab"]:
-            vocab = torch.as_tensor(_draft_vocab(Dataset(run / "data"), spec, tinfo["n_vocab"]))
+            vocab = torch.as_tensor(_draft_vocab(run_dataset(run), spec, tinfo["n_vocab"]))
         head = (emb if vocab is None else emb[vocab]).to(torch.bfloat16)  # as the Trainer scores it
         m = evaluate_source(model, on, on.val_ids, emb, head, vocab=vocab)
         rows.append({"run": str(run), "stage": stage, "draft_vocab": spec.draft_vocab, **m,

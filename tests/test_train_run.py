@@ -25,6 +25,7 @@ from llama_dflash.train.prompts import (
     overlaps_humaneval,
     training_prompts,
 )
+from llama_dflash.train.run import run_dataset
 from llama_dflash.verify.reference import DFlashReference
 
 from models import drafter_config
@@ -142,6 +143,40 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
     assert not (tmp_path / "c").exists()  # refused before any data was made
+
+
+def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
+    """`--data RUN`: a sample (--max-sequences) of another run's finished data, which is only read;
+    data made otherwise, or not all there, is refused in one line."""
+    target = artifacts["llama"]["target"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    capsys.readouterr()
+    files = [p for p in (a / "data").rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--max-sequences", "6",
+                 "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["data"]["sequences"] == 6 and "data" not in s["wall_s"]  # (no generation stage)
+    assert not (b / "data").exists() and (b / "index.npy").is_file() and (b / "drafter.gguf").is_file()
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before  # a's data untouched
+    assert sorted(p for p in (a / "data").rglob("*") if p.is_file()) == sorted(files)
+    fa, fb = Dataset(a / "data"), run_dataset(b)
+    assert len(fa) == 12 and len(fb) == 6
+    for i in range(6):  # the first 6 of a's fixed order: the same tokens and rows
+        np.testing.assert_array_equal(fb.sequence(i)[0], fa.sequence(i)[0])
+        np.testing.assert_array_equal(fb.sequence(i)[1], fa.sequence(i)[1])
+    for extra, msg in [(["--max-new", "12"], "made with other settings (max_new=24)"),
+                       (["--prompts", "10"], "8 of the 20 sequences this run trains on are not there yet"),
+                       (["--init", str(a)], "init and data are exclusive")]:
+        assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--data", str(a),
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--data",
+                 str(tmp_path / "nowhere")]) == 2
+    assert "not a training run directory" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("*.pt"))
 
 
 def test_train_cli_errors(artifacts, tmp_path, capsys):

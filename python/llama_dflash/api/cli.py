@@ -253,7 +253,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
               "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k",
-              "distill", "prompt_sources"):
+              "distill", "prompt_sources", "data"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -512,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None, metavar="RUN_DIR",
                    help="start from a finished run's final weights (same drafter shape and target) and train "
                         "only the tuning stage on this run's data")
+    t.add_argument("--data", default=None, metavar="RUN_DIR",
+                   help="train on another run's finished data (read only; no generation): e.g. several "
+                        "--max-sequences samples of one data set")
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)

@@ -280,17 +280,7 @@ def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None =
     else captured now in a second target pass (without top-k log-probabilities)."""
     from ..core.generator import SpeculativeGenerator
 
-    want = None if prompts is None else wanted(spec, prompts)
-    recs, seen = [], set()
-    for r in _read_responses(out / "responses.jsonl"):
-        rid = _rid(r)
-        if (want is None or rid in want) and rid not in seen:
-            seen.add(rid)
-            recs.append(r)
-    # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
-    recs.sort(key=_order)
-    if spec.max_sequences:
-        recs = recs[: spec.max_sequences]
+    recs = _training_set(out, spec, prompts)
     store = open_store(out, spec, reuse)
 
     def has_rows(r: dict) -> bool:
@@ -325,8 +315,7 @@ def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None =
                     bar.update(1)
     finally:
         store.flush()
-    index = np.array([[*store.refs[_rid(r)], len(r["prompt"]), round(r["temperature"] * 1000),
-                       _held_out(r["key"], spec.held_out)] for r in recs], np.int64).reshape(-1, 5)
+    index = _index(store, recs, spec)
     # every sequence the training set needs is in the store now; the older layout's state goes first
     # (without it the older files are not read), then the new index replaces the older one
     legacy = [n for n in _LEGACY if (out / n).exists()]
@@ -344,6 +333,48 @@ def build_features(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None =
            else ""))
 
 
+def _training_set(out: Path, spec: DataSpec, prompts: Sequence[Prompt] | None) -> list[dict]:
+    """The responses on file that the spec asks for `prompts` (None: all), in the fixed order."""
+    want = None if prompts is None else wanted(spec, prompts)
+    recs, seen = [], set()
+    for r in _read_responses(out / "responses.jsonl"):
+        rid = _rid(r)
+        if (want is None or rid in want) and rid not in seen:
+            seen.add(rid)
+            recs.append(r)
+    # a fixed pseudo-random order (by a hash of the key), so that max_sequences takes a fair sample
+    recs.sort(key=_order)
+    return recs[: spec.max_sequences] if spec.max_sequences else recs
+
+
+def _index(store: RowStore, recs: list[dict], spec: DataSpec) -> np.ndarray:
+    return np.array([[*store.refs[_rid(r)], len(r["prompt"]), round(r["temperature"] * 1000),
+                      _held_out(r["key"], spec.held_out)] for r in recs], np.int64).reshape(-1, 5)
+
+
+def index_shared(data: Path, spec: DataSpec, prompts: Sequence[Prompt], index_path: Path, log=print) -> None:
+    """A training set (written to index_path) drawn from another run's finished data directory,
+    which is only read: every response the spec asks for must be there with its rows."""
+    if not (data / "rows" / "meta.json").is_file() or not (data / "responses.jsonl").is_file():
+        raise ValueError(f"data {data}: no responses with rows there (a run of this version, data stage done)")
+    store = RowStore.open(data / "rows")
+    if store.meta["capture"] != _capture_id(spec) or store.meta["format"] != spec.feature_format \
+            or store.top_k != spec.top_k:
+        raise ValueError(f"data {data}: its rows were captured with other settings (target, taps, format or top-k)")
+    recs = _training_set(data, spec, prompts)
+    want = len(wanted(spec, prompts))
+    if spec.max_sequences:
+        want = min(want, spec.max_sequences)
+    lacking = sum(1 for r in recs if _rid(r) not in store.refs) + max(0, want - len(recs))
+    if lacking:
+        raise ValueError(f"data {data}: {lacking} of the {want} sequences this run trains on are not there yet "
+                         "(finish that run's data stage first)")
+    tmp = index_path.with_suffix(".tmp.npy")
+    np.save(tmp, _index(store, recs, spec))
+    tmp.replace(index_path)
+    log(f"features: {len(recs)} sequences of {data}'s data (read only)")
+
+
 def top_k_coverage(store: RowStore, index: np.ndarray) -> float:
     """The fraction of the training set's response positions with the target's top-k rows (rows
     captured in a second pass, or copied from a capture without them, have none)."""
@@ -359,9 +390,9 @@ class Dataset:
     """Read-only view of a data directory's training set (rows from its store, memory-mapped); a
     directory of the layout before row stores is read as it is."""
 
-    def __init__(self, out: str | os.PathLike) -> None:
+    def __init__(self, out: str | os.PathLike, index: str | os.PathLike | None = None) -> None:
         out = Path(out)
-        self.index = np.load(out / "index.npy")
+        self.index = np.load(index if index is not None else out / "index.npy")
         self.store = RowStore.open(out / "rows") if (out / "rows" / "meta.json").is_file() else None
         if self.store is not None:
             self.width = self.store.width

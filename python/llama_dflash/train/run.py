@@ -31,7 +31,7 @@ from ..formats.gguf import DrafterConfig, read_tensors
 from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target, write_speculators
 from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
-from .data import Dataset, DataSpec, Progress, build_features, generate_responses, top_k_coverage
+from .data import Dataset, DataSpec, Progress, build_features, generate_responses, index_shared, top_k_coverage
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
 from .prompts import DEFAULT_SOURCES, check_sources, training_prompts
 from .store import FORMATS
@@ -76,6 +76,8 @@ class RunSpec:
     prompt_sources: list[str] | None = None  # train/prompts.py SOURCES (None: DEFAULT_SOURCES)
     init: str = ""                      # a finished run directory of the same drafter shape: start from its
                                         # final weights and train only the tuning stage on this run's data
+    data: str = ""                      # another run directory whose finished data to train on (read only, no
+                                        # generation): e.g. several max_sequences samples of one data set
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
@@ -129,6 +131,28 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"feature_format must be {' or '.join(FORMATS)}, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
         raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
+    if spec.init and spec.data:
+        raise ValueError("init and data are exclusive: a run starts from another's weights, or trains on its data")
+
+
+# settings that fix what a data directory holds: a run that trains on another's data (data) must share them
+_DATA = ("max_new", "seed", "taps", "feature_format", "top_k")
+
+
+def _data_source(spec: RunSpec) -> Path:
+    """The data directory of run `spec.data`, checked to hold data made as this run would make it."""
+    src = Path(spec.data)
+    path = src / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"data {src}: not a training run directory (no summary.json)")
+    prev = json.loads(path.read_text())
+    if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
+        raise ValueError(f"data {src}: {path.name} holds no run settings")
+    pspec = {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
+    other = [k for k in _DATA if pspec[k] != getattr(spec, k)]
+    if other:
+        raise ValueError(f"data {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
+    return src / "data"
 
 
 # settings that fix the drafter's shape and inputs: a run started from another (init) must share them
@@ -250,6 +274,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
     check_spec(spec, tinfo)
     init, init_state = _init_source(spec) if spec.init else (None, None)
+    shared = _data_source(spec) if spec.data else None
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
@@ -275,7 +300,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         summary_path.write_text(json.dumps(summary, indent=1))
         return r
 
-    data_dir = out / "data"
+    data_dir = shared or out / "data"
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
                      max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples,
                      feature_format=spec.feature_format, top_k=spec.top_k)
@@ -286,10 +311,13 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
         say(f"responses: starting from the {reuse[0]} ones")
-    # both resume / no-op when done
-    stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say, reuse=reuse))
-    stage("features", lambda: build_features(data_dir, dspec, prompts, log=say, reuse=reuse))
-    ds = Dataset(data_dir)
+    index = out / "index.npy" if shared else None
+    if shared:  # another run's data, read only: this run's sample of it
+        stage("features", lambda: index_shared(shared, dspec, prompts, index, log=say))
+    else:  # both resume / no-op when done
+        stage("data", lambda: generate_responses(data_dir, dspec, prompts, log=say, reuse=reuse))
+        stage("features", lambda: build_features(data_dir, dspec, prompts, log=say, reuse=reuse))
+    ds = Dataset(data_dir, index=index)
     resp = int(sum(ds.index[:, 1] - ds.index[:, 2]))
     summary["data"] = {"sequences": len(ds), "tokens": ds.n_tokens, "response_tokens": resp,
                        "train_sequences": len(ds.train_ids), "held_out_sequences": len(ds.val_ids),
@@ -383,6 +411,13 @@ def _reduce(ds: Dataset, keep: np.ndarray, target: str, full: Path, out: Path) -
     covered = float(np.isin(held, keep).mean()) if held.size else None
     return {"bytes": out.stat().st_size, "draft_vocab": int(keep.size), "held_out_coverage": covered,
             "full_vocab_path": str(full)}
+
+
+def run_dataset(run_dir: str | Path) -> Dataset:
+    """A run directory's training set: its own data, or its sample of another run's (``data``)."""
+    run_dir = Path(run_dir)
+    data = json.loads((run_dir / "summary.json").read_text()).get("spec", {}).get("data")
+    return Dataset(Path(data) / "data", index=run_dir / "index.npy") if data else Dataset(run_dir / "data")
 
 
 def summary_of(out: str | Path) -> dict:
