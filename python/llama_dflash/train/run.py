@@ -139,16 +139,21 @@ def check_spec(spec: RunSpec, t: dict) -> None:
 _DATA = ("max_new", "seed", "taps", "feature_format", "top_k")
 
 
+def _other_run(src: Path, what: str, spec: RunSpec) -> tuple[dict, dict]:
+    """Another run directory's summary and its settings (defaults filled in), or a one-line error."""
+    path = src / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"{what} {src}: not a training run directory (no summary.json)")
+    prev = json.loads(path.read_text())
+    if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
+        raise ValueError(f"{what} {src}: {path.name} holds no run settings")
+    return prev, {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
+
+
 def _data_source(spec: RunSpec) -> Path:
     """The data directory of run `spec.data`, checked to hold data made as this run would make it."""
     src = Path(spec.data)
-    path = src / "summary.json"
-    if not path.is_file():
-        raise ValueError(f"data {src}: not a training run directory (no summary.json)")
-    prev = json.loads(path.read_text())
-    if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
-        raise ValueError(f"data {src}: {path.name} holds no run settings")
-    pspec = {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
+    _, pspec = _other_run(src, "data", spec)
     other = [k for k in _DATA if pspec[k] != getattr(spec, k)]
     if other:
         raise ValueError(f"data {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
@@ -166,15 +171,9 @@ def _init_source(spec: RunSpec) -> tuple[dict, dict]:
     from .data import DataSpec, _capture_id
 
     src = Path(spec.init)
-    path = src / "summary.json"
-    if not path.is_file():
-        raise ValueError(f"init {src}: not a training run directory (no summary.json)")
-    prev = json.loads(path.read_text())
-    if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
-        raise ValueError(f"init {src}: {path.name} holds no run settings")
+    prev, pspec = _other_run(src, "init", spec)
     if "gguf" not in prev:
         raise ValueError(f"init {src}: that run has not finished (no drafter written yet)")
-    pspec = {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
     other = [k for k in _SHAPE if pspec[k] != getattr(spec, k)]
     if other:
         theirs = ", ".join(f"{k}={pspec[k]}" for k in other)
