@@ -14,7 +14,10 @@ tokens at every 4th response position with either: block tau (1 + the leading dr
 that equal the target's own continuation) for both, how often the two drafts are the same, and
 the q8 rows' error in units of each channel's deviation.
 
-Usage: python bench/bench_data.py [--parts speed,q8] [--prompts 48] [--max-new 192]
+Part ``nseq`` (quiet machine): one-pass generation with 8, 16 and 32 sequences per decode on the
+same prompts, the orders rotated chunk by chunk: seconds per sequence and the speed-up over 8.
+
+Usage: python bench/bench_data.py [--parts speed,q8,nseq] [--prompts 48] [--max-new 192]
                                   [--out bench/results/data.json]
 """
 
@@ -56,9 +59,10 @@ def prompt_ids(target: str, n: int, held_out: bool, max_prompt: int = 320) -> li
     return out
 
 
-def one_pass(target: str, taps: list[int], prompts: list[list[int]], max_new: int) -> tuple[float, int, list]:
+def one_pass(target: str, taps: list[int], prompts: list[list[int]], max_new: int,
+             n_seq: int = 8) -> tuple[float, int, list]:
     t0 = time.perf_counter()
-    with BatchGenerator(target, n_seq=8, max_len=320 + max_new, capture_layers=taps, top_k=TOP_K) as g:
+    with BatchGenerator(target, n_seq=n_seq, max_len=320 + max_new, capture_layers=taps, top_k=TOP_K) as g:
         done = list(g.run([Job(i, p) for i, p in enumerate(prompts)], max_new))
     return time.perf_counter() - t0, sum(len(c.response) for c in done), done
 
@@ -90,6 +94,23 @@ def speed(target: str, taps: list[int], n_prompts: int, max_new: int) -> dict:
                   "response_tok_s": round(t / s, 1)} for name, (s, t) in tot.items()}
     res["sequences"] = len(prompts)
     res["two_pass_over_one_pass"] = round(tot["two-pass"][0] / tot["one-pass"][0], 3)
+    return res
+
+
+def n_seq_speed(target: str, taps: list[int], n_prompts: int, max_new: int, sizes=(8, 16, 32)) -> dict:
+    prompts = prompt_ids(target, n_prompts, held_out=False)
+    chunks = [prompts[i:i + 64] for i in range(0, len(prompts), 64)]
+    tot = {n: [0.0, 0] for n in sizes}
+    for k, ch in enumerate(chunks):
+        for n in sizes[k % len(sizes):] + sizes[:k % len(sizes)]:  # each size first in turn
+            secs, toks, _ = one_pass(target, taps, ch, max_new, n_seq=n)
+            tot[n][0] += secs
+            tot[n][1] += toks
+            print(f"chunk {k} n_seq {n}: {secs:.1f} s, {toks} response tokens", flush=True)
+    res = {str(n): {"seconds": round(s, 1), "response_tokens": t, "s_per_sequence": round(s / len(prompts), 3),
+                    "response_tok_s": round(t / s, 1), "speedup_over_8": round(tot[8][0] / s, 3)}
+           for n, (s, t) in tot.items()}
+    res["sequences"] = len(prompts)
     return res
 
 
@@ -157,7 +178,8 @@ def main() -> None:
     for part in a.parts.split(","):
         t0 = time.time()
         r = {"speed": lambda: speed(target, taps, a.prompts, a.max_new),
-             "q8": lambda: q8_effect(target, drafter, taps, a.prompts, a.max_new)}[part]()
+             "q8": lambda: q8_effect(target, drafter, taps, a.prompts, a.max_new),
+             "nseq": lambda: n_seq_speed(target, taps, a.prompts, a.max_new)}[part]()
         r.update(command="python " + " ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M"),
                  target=Path(target).name, taps=taps, max_new=a.max_new, wall_s=round(time.time() - t0, 1))
         res[part] = r

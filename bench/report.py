@@ -274,6 +274,13 @@ def training_data() -> list[str]:
                     f"({one['response_tok_s']:.0f} response tok/s), generation plus a second feature pass "
                     f"{two['s_per_sequence']:.2f} s ({two['response_tok_s']:.0f} tok/s): "
                     f"{sp['two_pass_over_one_pass']:.2f}×.", ""]
+        if "nseq" in d:
+            ns = d["nseq"]
+            sizes = [k for k in ns if k.isdigit()]
+            out += ["sequences per decode: " + _source(ns["command"], ns["date"], "data.json"), "",
+                    f"{ns['sequences']} prompts × up to {ns['max_new']} tokens, one pass, the orders rotated chunk "
+                    "by chunk: " + "; ".join(f"{k} sequences {ns[k]['s_per_sequence']:.3f} s per sequence "
+                                             f"({ns[k]['speedup_over_8']:.2f}× over 8)" for k in sizes) + ".", ""]
         if "q8" in d:
             q = d["q8"]
             b = q["bytes_per_token"]

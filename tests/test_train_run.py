@@ -84,6 +84,12 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     # other settings in the same directory are refused, in one line
     assert main(["train", "--smoke", "--target", target, "--out", str(out), "--v1-steps", "9"]) == 2
     assert "other settings" in capsys.readouterr().err
+    # ... but not a speed setting: sequences per decode may change between calls (recorded as the last one)
+    sp = json.loads((out / "summary.json").read_text())
+    sp["spec"]["n_seq"] = 7
+    (out / "summary.json").write_text(json.dumps(sp))
+    assert main(["train", "--smoke", "--target", target, "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["n_seq"] == 4
     # a run recorded before a setting existed resumes with this call's value (here: reduces the vocabulary)
     sp = json.loads((out / "summary.json").read_text())
     del sp["spec"]["draft_vocab"]

@@ -45,7 +45,7 @@ class DataSpec:
     sampled_every: int = 4          # every k-th prompt also gets sampled responses (0 = none)
     samples: int = 1                # sampled responses per such prompt (each its own seed)
     temperature: float = 0.7
-    n_seq: int = 8                  # sequences per decode
+    n_seq: int = 32                 # sequences per decode
     held_out: float = 0.03          # fraction of prompts kept for validation
     max_sequences: int = 0          # train on at most this many sequences (0 = all)
     seed: int = 0

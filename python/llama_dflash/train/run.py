@@ -42,7 +42,7 @@ class RunSpec:
     target: str
     prompts: int = 0                    # training prompts (0 = all)
     max_new: int = 192
-    n_seq: int = 8
+    n_seq: int = 32                     # sequences per decode while generating (speed only: bench_data nseq)
     max_sequences: int = 0              # train on at most this many generated sequences (0 = all)
     sampled_every: int = 1              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
     samples: int = 1                    # sampled responses per such prompt
@@ -159,6 +159,9 @@ def _data_source(spec: RunSpec) -> Path:
         raise ValueError(f"data {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
     return src / "data"
 
+
+# settings that change only how fast a run goes: resuming with other values is allowed
+_SPEED = ("n_seq",)
 
 # settings that fix the drafter's shape and inputs: a run started from another (init) must share them
 _SHAPE = ("taps", "n_layer", "block_size", "mask_token_id", "n_ff", "selector_rank", "selector_top_k",
@@ -286,7 +289,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     # a setting added since the run was started (e.g. draft_vocab, a final stage) takes this call's value
-    stored = {**asdict(spec), **summary.get("spec", {})}
+    stored = {**asdict(spec), **summary.get("spec", {}), **{k: getattr(spec, k) for k in _SPEED}}
     if stored != asdict(spec):
         raise ValueError(f"{out} holds a run with other settings (see {summary_path}); use another directory")
     summary["spec"] = asdict(spec)
