@@ -194,8 +194,8 @@ def cpu_and_gpu_models():
 @pytest.mark.parametrize("which", ["v1", "v2"])
 def test_gpu_drafts_match_cpu(which, artifacts, v2_drafter, cpu_and_gpu_models):
     """The drafter on a CUDA target (it follows the head's device) drafts what the CPU core drafts:
-    logits within tolerance, ids equal wherever the CPU's choice is clear; DFlash2 walks on the
-    device (its scores stay there)."""
+    logits within tolerance, ids (and DFlash2's confidences) equal wherever the CPU's choice is
+    clear; DFlash2 walks on the device (its scores stay there)."""
     path = v2_drafter if which == "v2" else artifacts["qwen3"]["drafter"]
     target = artifacts["llama" if which == "v2" else "qwen3"]["target"]
     m_cpu, m_gpu = cpu_and_gpu_models(target)
@@ -214,14 +214,20 @@ def test_gpu_drafts_match_cpu(which, artifacts, v2_drafter, cpu_and_gpu_models):
             with pytest.raises(DFlashError, match="CUDA"):
                 dev.last_lattice()  # walked on the device
             cand, scores = cpu.last_lattice()
-            prev = 0
+            prev, clear = 0, 0
             for k in range(n):  # equal along the path while the CPU's choice is clear
                 row = np.sort(scores[k, prev])
                 if row[-1] - row[-2] < 1e-2:
                     break
                 assert ids_g[k] == ids_c[k]
                 prev = int(np.argmax(scores[k, prev]))
-                compared += 1
+                clear += 1
+            compared += clear
+            # the confidences adaptive steps calibrate (the device walk's, capped by the unary
+            # probability read back from the device) agree along that path too
+            conf_c = cpu.draft(anchor, n, return_conf=True)[1]
+            conf_g = dev.draft(anchor, n, return_conf=True)[1]
+            np.testing.assert_allclose(conf_g[:clear], conf_c[:clear], rtol=1e-2, atol=1e-3)
         else:
             top2 = np.sort(lg_c, axis=1)[:, -2:]
             clear = (top2[:, 1] - top2[:, 0]) > 2 * lim
