@@ -6,9 +6,12 @@ Side by side in one run, prompt by prompt (so machine noise hits every configura
     and whether the output equals llama-cpp-python's (a divergence is classified by its
     top-1/top-2 margin: near-tie or mismatch);
   - our loop at T = 0.7 (top-k 40, top-p 0.95, min-p 0.05), match and rejection verification.
-Decode tok/s excludes prefill in every configuration.
+Decode tok/s excludes prefill in every configuration.  --format chat (default): each problem as a
+chat turn ("Complete the following Python function." and the code, in the chat template); raw: the
+problem's own prompt (signature and docstring) as a raw completion prefix, tokenized as
+create_completion tokenizes it -- how code-completion users call the model.
 
-Usage: python bench/bench_humaneval.py [--problems 40] [--tokens 128] [--drafter D.gguf]
+Usage: python bench/bench_humaneval.py [--problems 40] [--tokens 128] [--drafter D.gguf] [--format chat|raw]
                                        [--out bench/results/humaneval.json]
 """
 
@@ -27,7 +30,7 @@ from llama_cpp import _logger
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
-from llama_dflash.train.prompts import chatml, humaneval_prompts
+from llama_dflash.train.prompts import chatml, humaneval_problems, humaneval_prompts
 from llama_dflash.verify.certify import certify, divergence_report
 
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="default: the shipped drafter")
     ap.add_argument("--draft-lens", default="3,5,7")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--format", choices=["chat", "raw"], default="chat")
     ap.add_argument("--out", default="bench/results/humaneval.json")
     a = ap.parse_args()
     _logger.set_verbose(False)
@@ -69,6 +73,7 @@ def main() -> None:
     ns = [int(x) for x in a.draft_lens.split(",")]
     threads = a.threads or len(os.sched_getaffinity(0))
     probs = humaneval_prompts()[: a.problems]
+    raw = [p["prompt"] for p in humaneval_problems()[: a.problems]]  # (the same problems, in order)
     llm = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=threads)
     # plain llama-cpp-python keeping every row's logits: replays a divergent run's verify batches
@@ -98,7 +103,10 @@ def main() -> None:
     g.generate(g.tokenize(chatml("Hi")), 4, draft_len=0)  # warm-up
     t_start = time.time()
     for i, p in enumerate(probs):
-        toks = g.tokenize(chatml(p.text))
+        # raw: as llama-cpp-python 0.3.36's create_completion tokenizes a prompt string (BOS where the
+        # vocabulary adds one, special tokens parsed)
+        toks = g.tokenize(raw[i], add_special=True, parse_special=True) if a.format == "raw" \
+            else g.tokenize(chatml(p.text))
         ref, secs = plain_llama_cpp(llm, toks, a.tokens, 0.0, 0)
         add("llama_cpp_greedy", max(0, len(ref) - 1), secs)
         r = g.generate(toks, a.tokens, draft_len=0)
@@ -149,6 +157,7 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": f"{platform.processor() or platform.machine()}, {threads} threads",
               "target": str(target), "drafter": str(drafter), "problems": len(probs), "max_tokens": a.tokens,
+              "format": a.format,
               "sampling": SAMPLING, "results": rows,
               "greedy_identical_to_llama_cpp": {f"n{n}": f"{identical[n]}/{len(probs)}" for n in ns},
               "divergences": divergences, "wall_s": round(time.time() - t_start, 1)}

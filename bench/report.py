@@ -211,6 +211,18 @@ def humaneval() -> list[str]:
     return out
 
 
+def humaneval_raw() -> list[str]:
+    """bench_humaneval.py --format raw: the problems as raw completion prefixes."""
+    if not (HERE / "humaneval_raw.json").is_file():
+        return []
+    h = _load("humaneval_raw.json")
+    return ["### As raw completion prompts", "",
+            _source(h["command"], h["date"], "humaneval_raw.json", f" ({h['machine']})"),
+            f"The first {h['problems']} problems' own prompts (signature and docstring) as raw completion prefixes, "
+            f"tokenized as `create_completion` tokenizes them, up to {h['max_tokens']} tokens; otherwise as above.",
+            "", *_he_table(h), ""]
+
+
 def previous_drafter() -> list[str]:
     p, h = _load("humaneval_previous_drafter.json"), _load("humaneval.json")
     out = ["### The previous drafter on the same bench", "",
@@ -653,8 +665,8 @@ def render() -> str:
             "[cost-aware drafting](#cost-aware-drafting) · [concurrent requests](#concurrent-requests) · "
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
-    body = [*core(), *convert(), *humaneval(), *previous_drafter(), *heldout(), *dropin(), *exact(), *adaptive(),
-            *concurrent(), *training_data()]
+    body = [*core(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *heldout(), *dropin(), *exact(),
+            *adaptive(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
 
