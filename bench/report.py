@@ -216,11 +216,19 @@ def humaneval_raw() -> list[str]:
     if not (HERE / "humaneval_raw.json").is_file():
         return []
     h = _load("humaneval_raw.json")
-    return ["### As raw completion prompts", "",
+    out = ["### As raw completion prompts", "",
             _source(h["command"], h["date"], "humaneval_raw.json", f" ({h['machine']})"),
             f"The first {h['problems']} problems' own prompts (signature and docstring) as raw completion prefixes, "
             f"tokenized as `create_completion` tokenizes them, up to {h['max_tokens']} tokens; otherwise as above.",
             "", *_he_table(h), ""]
+    verdicts: dict[str, int] = {}
+    for x in h["divergences"]:
+        verdicts[x["verdict"]] = verdicts.get(x["verdict"], 0) + 1
+    out += ["Greedy identity with llama-cpp-python: " + ", ".join(f"n = {k[1:]}: {v}" for k, v in
+                                                                 h["greedy_identical_to_llama_cpp"].items())
+            + f"; the {len(h['divergences'])} divergent runs replayed as above: "
+            + (", ".join(f"{k} {v}" for k, v in verdicts.items()) or "none") + ".", ""]
+    return out
 
 
 def previous_drafter() -> list[str]:
