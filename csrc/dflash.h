@@ -140,8 +140,8 @@ struct dflash_token_filter {
  * allowed candidates (v1: among the slot's DFLASH_V1_SAMPLE_K best; DFlash2: the
  * lattice's K).  out_tokens: the ids.  out_conf (optional): each drafted slot's confidence,
  * what adaptive steps calibrate (v1: as p_min reads it; DFlash2: p_min's, capped by the unary
- * head's probability of the token over the draft vocabulary; see DFLASH_CONF_VERSION).  out_logits (optional): n x n_vocab floats, after logit scale and
- * softcap.  Returns the number of tokens drafted, or -1. */
+ * head's probability of the token over the draft vocabulary; see DFLASH_CONF_VERSION).
+ * out_logits (optional): n x n_vocab floats, after logit scale and softcap.  Returns the number of tokens drafted, or -1. */
 int32_t dflash_drafter_draft(dflash_drafter * d, int32_t anchor, int32_t n, float p_min,
                              struct dflash_token_filter * filter, int32_t * out_tokens, float * out_conf,
                              float * out_logits, char * err, size_t err_len);
@@ -359,8 +359,9 @@ struct dflash_step {
     int32_t made;          /* drafts the drafter was asked for (its cost; drafted: those verified) */
     float   anchor_margin; /* the raw top-1 minus top-2 logit of the row that gave the anchor (NAN where
                             * rejection sampling drew it from a residual) */
-    int32_t n_conf;        /* slots with a confidence in conf: made, or 0 where the draft source gives none */
-    float   conf[DFLASH_MAX_DRAFT]; /* the drafter's confidence per made slot (what adaptive steps calibrate) */
+    int32_t n_conf;        /* slots with a confidence in conf: those the drafter returned (greedy drafts;
+                            * 0 for a draft source or a sampled draft) */
+    float   conf[DFLASH_MAX_DRAFT]; /* the drafter's confidence per returned slot (what adaptive steps calibrate) */
 };
 typedef void (*dflash_step_fn)(void * user_data, const struct dflash_step * step);
 

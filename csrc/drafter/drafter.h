@@ -93,6 +93,7 @@ struct dflash_graph {
     struct ggml_tensor * anchor;                                         // DFlash2: [n_seq] anchor ids
     struct ggml_tensor * cand, * scores;                                 // top-K ids, lattice / logits
     struct ggml_tensor * cand_p;                                         // DFlash2 (on request): [K, n * n_seq]
+                                                                         // the unary head's probability of each
                                                                          // candidate over the draft vocabulary
     int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
 };
