@@ -13,6 +13,11 @@
 // credited with its whole streak -- the drafts it leads to -- since that is what it opens.
 // Expected, not realised, gains: one step's luck is noise, and the calibration keeps the
 // expectation honest.
+// A draft source without confidences ("blind") teaches nothing by drafting, only by what is
+// verified: its recent per-position acceptance (the first readings averaged, then an EMA) decides
+// before the call whether a draft would be verified at all; if not, the step is plain, with a probe
+// that verifies one slot every few steps; slots the cut stops short of drift back towards the
+// estimate of the slot before, so that no early bad luck keeps them unverified for good.
 #include "policy.h"
 
 #include "common.h"
@@ -23,6 +28,8 @@
 #define PROBE_MAX 32         // plain steps between probes, at most
 #define PROBE_BUDGET 0.02    // probes may cost this fraction of the plain steps' time
 #define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
+#define BLIND_EMA 0.1        // a draft source's recent acceptance: EMA weight once its first slots are averaged
+#define BLIND_FORGET 0.01    // ... and how fast an unverified slot's estimate returns to the slot before's
 
 void dflash_policy_init(struct dflash_policy * p) {
     memset(p, 0, sizeof(*p));
@@ -108,6 +115,37 @@ static double plain_rate(const struct dflash_policy * p) {
     return b == 0 ? 1.0 / dflash_policy_t_verify(p, 1) : (b + 1) / t_joint(p, b + 1);
 }
 
+// The rate a cut must beat: the larger of plain decoding's and the rate achieved so far (in seconds:
+// costs needed; in a joint batch one sequence's rate means nothing).
+static double rate_to_beat(const struct dflash_policy * p) {
+    const double R0 = plain_rate(p);
+    return p->have_costs && p->base_rows == 0 && p->rate > R0 ? p->rate : R0;
+}
+
+// How many of n drafted slots the cut keeps: the k with the most expected committed tokens net of
+// its rows' time; a(i) = conf ? calibrated : recent acceptance.  expected (may be NULL) receives the
+// chance that slots 0..i are all accepted, *e the expected tokens committed at the chosen k.
+static int32_t cut_at(const struct dflash_policy * p, const float * conf, int32_t n, float * expected, double * e) {
+    const double R = rate_to_beat(p);
+    double E = 1.0, prod = 1.0, best_v = 1.0 - R * t_rows(p, 1), best_e = 1.0;
+    int32_t best_k = 0;
+    for (int32_t k = 1; k <= n; k++) {
+        prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : recent_at(p, k - 1);
+        E += prod;
+        if (expected) expected[k - 1] = (float) prod;
+        const double v = E - R * t_rows(p, k + 1);
+        if (v > best_v) {
+            best_v = v;
+            best_k = k;
+            best_e = E;
+        }
+    }
+    if (e) *e = best_e;
+    return best_k;
+}
+
+static int32_t blind_cut(const struct dflash_policy * p, int32_t n) { return cut_at(p, NULL, n, NULL, NULL); }
+
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
     *probe = false;
     p->probing = false;
@@ -126,8 +164,14 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
     }
     // one slot more than the recent acceptance asks for: the cut after the draft may keep it
     const int32_t n = best_n + 1 < n_cap ? best_n + 1 : n_cap;
-    const int32_t c = p->state;
-    if (p->gain[c] > 0.0) return n;
+    const int32_t c = p->blind ? 0 : p->state;  // (a blind source's probes: one counter, no streak states)
+    if (p->blind && p->recent[0] >= 0.0) {
+        // a source without confidences: its draft says nothing new, so what the cut will verify is
+        // known now -- a draft it would verify some of, or a plain step (a probe now and then)
+        if (blind_cut(p, n) > 0) return n;
+    } else if (p->gain[c] > 0.0) {
+        return n;
+    }
     if (++p->skipped[c] >= p->probe_every[c]) {
         *probe = p->probing = true;
         return n;
@@ -138,21 +182,8 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
 int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32_t n, int32_t n_made,
                              float * expected) {
     const double R0 = plain_rate(p);
-    // (the rate is in seconds: costs needed; in a joint batch one sequence's rate means nothing)
-    const double R = p->have_costs && p->base_rows == 0 && p->rate > R0 ? p->rate : R0;
-    double E = 1.0, prod = 1.0, best_v = 1.0 - R * t_rows(p, 1), best_e = 1.0;
-    int32_t best_k = 0;
-    for (int32_t k = 1; k <= n; k++) {
-        prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : recent_at(p, k - 1);
-        E += prod;
-        if (expected) expected[k - 1] = (float) prod;
-        const double v = E - R * t_rows(p, k + 1);
-        if (v > best_v) {
-            best_v = v;
-            best_k = k;
-            best_e = E;
-        }
-    }
+    double best_e;
+    int32_t best_k = cut_at(p, conf, n, expected, &best_e);
     // without confidences only verified slots teach anything: a probe (or the very first draft)
     // verifies one at least, even where the recent acceptance says it does not pay
     p->blind = conf == NULL;
@@ -166,31 +197,56 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     return best_k;
 }
 
+// The recent acceptance of the slots a step reached (every earlier one accepted), k verified.
+static void update_recent(struct dflash_policy * p, int32_t k, int32_t n_acc) {
+    if (p->blind && k >= 1) {
+        // a source without confidences learns a slot only by verifying it: estimates of the slots
+        // the cut stopped short of drift back towards the slot before's, so that one bad early
+        // reading cannot keep them unverified for good
+        for (int32_t i = k > 1 ? k : 1; i < DFLASH_MAX_DRAFT && p->recent[i] >= 0.0; i++) {
+            p->recent[i] += BLIND_FORGET * (p->recent[i - 1] - p->recent[i]);
+        }
+    }
+    for (int32_t i = 0; i < k && i <= n_acc; i++) {
+        const double ok = i < n_acc ? 1.0 : 0.0;
+        p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];
+        // a draft source's first observations are averaged (nothing else tells how good it is), then
+        // an EMA follows changes of text; the drafter's confidences calibrate, its recent[] only sizes drafts
+        double w = 0.3;
+        if (p->blind) {
+            w = 1.0 / (p->recent_n[i] + 2.0);  // (the prior, 0.5 or the slot before's, counts as one)
+            w = w > BLIND_EMA ? w : BLIND_EMA;
+        }
+        if (p->recent_n[i] < INT32_MAX) p->recent_n[i]++;
+        p->recent[i] += w * (ok - p->recent[i]);
+    }
+}
+
+// Probes back off while they find nothing, as far as keeps their cost (a draft each, and a blind
+// probe's forced row) at PROBE_BUDGET of the time: a cheap draft source is probed often, the
+// drafter less.
+static int32_t probe_backoff(const struct dflash_policy * p, int32_t every) {
+    double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
+    if (p->blind) cost += fmax(0.0, t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);
+    int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
+    cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
+    return 2 * every < cap ? 2 * every : cap;
+}
+
 // What a draft decided in state c turned out to be worth, in expectation: an EMA while drafting
 // there pays; after a probe, the fresh value replaces the stale one.
 static void credit(struct dflash_policy * p, int32_t c, double g) {
     if (p->gain[c] > 0.0) {
         p->gain[c] = 0.7 * p->gain[c] + 0.3 * g;
     } else {
-        // probes back off while they find nothing, as far as keeps their cost (a draft each) at
-        // PROBE_BUDGET of the time: a cheap draft source is probed often, the drafter less
-        double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
-        if (p->blind) cost += fmax(0.0, t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);  // its forced row
-        int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
-        cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
         p->gain[c] = g;
-        p->probe_every[c] = g > 0.0 ? 2 : (2 * p->probe_every[c] < cap ? 2 * p->probe_every[c] : cap);
+        p->probe_every[c] = g > 0.0 ? 2 : probe_backoff(p, p->probe_every[c]);
     }
 }
 
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
                            int32_t n_acc, int32_t committed, double t_draft, double t_verify, int32_t rows_total) {
     struct dflash_costs * cm = &p->costs;
-    // what the step gained over a plain one, as it happened (a plain step's time buys one token;
-    // in a joint batch the rows' share of it is the model's)
-    const double realised = p->base_rows == 0
-        ? committed - (t_draft + t_verify) / dflash_policy_t_verify(p, 1)
-        : committed - 1.0 - plain_rate(p) * (t_draft + t_rows(p, k + 1) - t_rows(p, 1));
     if (rows_total < k + 1) rows_total = k + 1;
     if (p->have_costs && cm->n_rows >= 1) {
         const double model = curve(cm->t_verify, cm->n_rows, rows_total);
@@ -218,9 +274,16 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
-        // expected from the confidences where the drafter gives them; a draft source without them
-        // has only its outcome (the recent acceptance would lag behind a change of text)
-        const double g = conf ? p->last_gain : realised;
+        if (!conf) {
+            // a source without confidences: its recent acceptance decides (dflash_policy_plan); after a
+            // probe, drafting resumes if what it verified makes a cut pay, else the probes back off
+            update_recent(p, k, n_acc);
+            p->skipped[0] = 0;
+            if (p->probing) p->probe_every[0] = blind_cut(p, n_drafted) > 0 ? 2 : probe_backoff(p, p->probe_every[0]);
+            return;
+        }
+        p->skipped[c] = 0;
+        const double g = p->last_gain;  // expected from the confidences, not realised
         if (c <= 1) {  // a draft from a cold state starts an episode: it is worth its whole streak
             p->ep_state = c;
             p->ep_gain = g;
@@ -228,18 +291,15 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
             if (p->ep_state >= 0) p->ep_gain += g;
             credit(p, c, g);
         }
-        p->skipped[c] = 0;
     }
     if (p->ep_state >= 0 && (p->state <= 1 || !adaptive || n_drafted == 0)) {  // the streak is over
         credit(p, p->ep_state, p->ep_gain);
         p->ep_state = -1;
     }
     if (n_drafted == 0) return;
-    for (int32_t i = 0; i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
+    update_recent(p, k, n_acc);
+    for (int32_t i = 0; conf && i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
         const float ok = i < n_acc ? 1.0f : 0.0f;
-        p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];
-        p->recent[i] += 0.3 * (ok - p->recent[i]);
-        if (!conf) continue;
         const int32_t b = bin_of(conf[i]), pos = pos_of(i);
         if (p->cal.reached[pos][b] >= CAL_CAP) {
             p->cal.reached[pos][b] *= 0.5f;

