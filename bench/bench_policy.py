@@ -21,10 +21,12 @@ returned whole (no p_min, n_min or grammar cut).  The policies:
 
 Beside them, measured in the same run, interleaved prompt by prompt (decode tok/s, prefill
 excluded): our plain loop and our adaptive loop (speculation "auto", the default).  The cost model
-is the engine's own, measured and refined by those runs.  Greedy only (T > 0 has no fixed output
-to trace against).  Needs a DFlash2 drafter (the confidences come from its lattice).
+is the engine's own, measured and refined by those runs.  Greedy, and T = 0.7 with match
+verification: a draft is kept while it equals the sample, and the samples are plain decoding's for
+the same seed, so the sampled output is traced as the greedy one is (the drafter drafts greedily
+either way).  Needs a DFlash2 drafter (the confidences come from its lattice).
 
-Usage: python3 bench/bench_policy.py [--problems 20] [--prose 20] [--tokens 128] [--out bench/results/policy.json]
+Usage: python3 bench/bench_policy.py [--problems 20] [--prose 20] [--tokens 128] [--temps greedy,t0.7] [--out bench/results/policy.json]
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from pathlib import Path
 import numpy as np
 from bench_adaptive import PROSE
 
-from llama_dflash import SpeculativeGenerator
+from bench_humaneval import SAMPLING
+
+from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash._native import lib
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core import policy
@@ -50,10 +54,12 @@ BINS = int(lib.DFLASH_CAL_BINS)  # confidence bins of the calibration (the engin
 SHORT = 3  # a shorter draft compared with the long one's first tokens (the block attends both ways)
 
 
-def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_max: int) -> list[dict]:
+def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_max: int,
+                margins: list[float]) -> list[dict]:
     """At every anchor gen[j]: the drafter's n_max-token draft (its context: every position before
     the anchor), its confidences (the engine's, and the walk's softmax alone), how many of its tokens
-    equal gen[j+1:], and whether a SHORT-token draft is the long one's start."""
+    equal gen[j+1:], whether a SHORT-token draft is the long one's start, and the target's top-1 minus
+    top-2 logit on the row that gave the anchor (known before drafting)."""
     d = g.drafter
     feats = g.features(prompt + gen)
     d.reset()
@@ -66,7 +72,8 @@ def dense_trace(g: SpeculativeGenerator, prompt: list[int], gen: list[int], n_ma
         ref, a = gen[j + 1: j + 1 + n_max], 0
         while a < len(ids) and a < len(ref) and ids[a] == ref[a]:
             a += 1
-        out.append({"a": a, "conf": conf, "walk": [float(c) for c in walk], "prefix": short == ids[:SHORT]})
+        out.append({"a": a, "conf": conf, "walk": [float(c) for c in walk], "prefix": short == ids[:SHORT],
+                    "m": float(margins[j])})
         d.push(feats[len(prompt) + j: len(prompt) + j + 1])
     return out
 
@@ -168,20 +175,25 @@ def collect(a) -> dict:
     if g.drafter.info.version != 2:
         sys.exit("bench_policy needs a DFlash2 drafter")
     n_max = g.max_draft_len
-    sets = {"humaneval": [chatml(p.text) for p in humaneval_prompts()[: a.problems]],
+    base = {"humaneval": [chatml(p.text) for p in humaneval_prompts()[: a.problems]],
             "prose": [chatml(p) for p in PROSE[: a.prose]]}
-    g.generate(g.tokenize(sets["prose"][0]), 16)  # the cost model, before anything is timed
+    # at T > 0 match verification keeps a draft while it equals the sample, and the samples are plain
+    # decoding's for the same seed: the sampled output is traced as the greedy one is
+    sets = {f"{name}{suffix}": (prompts, t) for name, prompts in base.items()
+            for suffix, t in (("", False), ("_t0.7", True)) if t in a.temps}
+    g.generate(g.tokenize(base["prose"][0]), 16)  # the cost model, before anything is timed
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "tokens": a.tokens, "n_max": n_max, "target": default_target().name, "drafter": Path(drafter).name,
            "sets": {}, "traces": {}}
     t0 = time.time()
-    for name, prompts in sets.items():
+    for name, (prompts, sampled) in sets.items():
         traces, meas = [], {"plain": [0, 0.0], "auto": [0, 0.0], "auto_plain_steps": 0, "auto_steps": 0,
                             "auto_predicted_s": 0.0, "auto_measured_s": 0.0, "identical": 0}
         for i, text in enumerate(prompts):
             toks = g.tokenize(text)
-            plain = g.generate(toks, a.tokens, draft_len=0)
-            auto = g.generate(toks, a.tokens)
+            sp = SamplingParams(seed=1000 + i, **SAMPLING) if sampled else None
+            plain = g.generate(toks, a.tokens, draft_len=0, sampling=sp, return_margins=True)
+            auto = g.generate(toks, a.tokens, sampling=sp)
             meas["identical"] += auto.tokens == plain.tokens  # (default mode: near ties may round apart)
             for key, r in (("plain", plain), ("auto", auto)):
                 meas[key][0] += max(0, r.stats.n_generated - 1)
@@ -191,7 +203,7 @@ def collect(a) -> dict:
             meas["auto_steps"] += s.steps
             meas["auto_predicted_s"] += s.t_predicted_s
             meas["auto_measured_s"] += s.t_draft_s + s.t_verify_s
-            traces.append(dense_trace(g, toks, plain.tokens, n_max))
+            traces.append(dense_trace(g, toks, plain.tokens, n_max, plain.margins))
             print(f"  {name} [{i + 1}/{len(prompts)}] {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         res["traces"][name] = traces
         res["sets"][name] = {"measured": meas}
@@ -232,11 +244,13 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=20)
     ap.add_argument("--prose", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--temps", default="greedy,t0.7", help="greedy and / or t0.7 (match verification, seeded)")
     ap.add_argument("--drafter", default="", help="a DFlash2 drafter GGUF (default: the shipped one)")
     ap.add_argument("--traces", default="", help="the run's traces and measurements: written there, or, when the "
                     "file exists, read back and analysed again (e.g. after a policy change) without running anything")
     ap.add_argument("--out", default="bench/results/policy.json")
     a = ap.parse_args()
+    a.temps = {t == "t0.7" for t in a.temps.split(",")}
     tf = Path(a.traces) if a.traces else None
     if tf and tf.is_file():
         res = json.loads(tf.read_text())

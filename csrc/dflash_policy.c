@@ -25,8 +25,8 @@
 #include <math.h>
 #include <string.h>
 
-#define PROBE_MAX 32         // plain steps between probes, at most
-#define PROBE_BUDGET 0.02    // probes may cost this fraction of the plain steps' time
+#define PROBE_MAX 64         // plain steps between probes, at most
+#define PROBE_BUDGET 0.01    // probes may cost this fraction of the plain steps' time
 #define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
 #define BLIND_EMA 0.1        // a draft source's recent acceptance: EMA weight once its first slots are averaged
 #define BLIND_FORGET 0.01    // ... and how fast an unverified slot's estimate returns to the slot before's
