@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--fixed", default="1,2,3,5,7", help="fixed draft lengths (the largest should be n_max)")
     ap.add_argument("--parts", default="sets,replay", help="sets: the prompt sets; replay: bigger targets")
+    ap.add_argument("--replay-tokens", type=int, default=128, help="tokens per prompt of the replay part")
     ap.add_argument("--upstream", action="store_true",
                     help="add upstream's DFlash loop (bench/build-upstream.sh builds it on first use)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "adaptive.json"))
@@ -256,7 +257,8 @@ def main() -> None:
     run = {"command": "python3 bench/bench_adaptive.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if "replay" in a.parts.split(","):
-        res["replay"] = {**run, "tokens": 64, "targets": replay_part(64, [0.3, 0.5, 0.7, 0.9], [3, 7])}
+        res["replay"] = {**run, "tokens": a.replay_tokens,
+                         "targets": replay_part(a.replay_tokens, [0.3, 0.5, 0.7, 0.9], [3, 7])}
         path.write_text(json.dumps(res, indent=1))
     if "sets" not in a.parts.split(","):
         return

@@ -26,7 +26,8 @@ verification: a draft is kept while it equals the sample, and the samples are pl
 the same seed, so the sampled output is traced as the greedy one is (the drafter drafts greedily
 either way).  Needs a DFlash2 drafter (the confidences come from its lattice).
 
-Usage: python3 bench/bench_policy.py [--problems 20] [--prose 20] [--tokens 128] [--temps greedy,t0.7] [--out bench/results/policy.json]
+Usage: python3 bench/bench_policy.py [--problems 20] [--prose 20] [--tokens 128] [--temps greedy,t0.7]
+                                     [--out bench/results/policy.json]
 """
 
 from __future__ import annotations

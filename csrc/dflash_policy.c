@@ -29,6 +29,7 @@
 #define PROBE_BUDGET 0.01    // probes may cost this fraction of the plain steps' time
 #define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
 #define BLIND_EMA 0.1        // a draft source's recent acceptance: EMA weight once its first slots are averaged
+#define BLIND_PROBE_W 0.3    // ... and a probe's reading, at least
 #define BLIND_FORGET 0.01    // ... and how fast an unverified slot's estimate returns to the slot before's
 
 void dflash_policy_init(struct dflash_policy * p) {
@@ -215,7 +216,9 @@ static void update_recent(struct dflash_policy * p, int32_t k, int32_t n_acc) {
         double w = 0.3;
         if (p->blind) {
             w = 1.0 / (p->recent_n[i] + 2.0);  // (the prior, 0.5 or the slot before's, counts as one)
-            w = w > BLIND_EMA ? w : BLIND_EMA;
+            // a probe's reading weighs more: the estimate it tests is a plain stretch old
+            const double floor = p->probing ? BLIND_PROBE_W : BLIND_EMA;
+            w = w > floor ? w : floor;
         }
         if (p->recent_n[i] < INT32_MAX) p->recent_n[i]++;
         p->recent[i] += w * (ok - p->recent[i]);
@@ -245,7 +248,8 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
 }
 
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
-                           int32_t n_acc, int32_t committed, double t_draft, double t_verify, int32_t rows_total) {
+                           int32_t n_acc, int32_t committed, double t_draft, int32_t n_injected, double t_verify,
+                           int32_t rows_total) {
     struct dflash_costs * cm = &p->costs;
     if (rows_total < k + 1) rows_total = k + 1;
     if (p->have_costs && cm->n_rows >= 1) {
@@ -262,8 +266,10 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
                 cm->t_verify[rows_total - 1] += 0.05 * (t_verify / p->speed - cm->t_verify[rows_total - 1]);
             }
         }
-        // the draft's own time, alone or beside a joint decode (in the group it is paid before the decode)
-        if (n_drafted >= 1 && n_drafted <= cm->n_draft) {
+        // the draft's own time, alone or beside a joint decode (in the group it is paid before the decode);
+        // not from a draft that first injected the rows of a plain stretch (a probe: 64 rows cost more
+        // than the draft itself, and a draft within a streak injects only the last step's few)
+        if (n_drafted >= 1 && n_drafted <= cm->n_draft && n_injected <= n_drafted + 2) {
             cm->t_draft[n_drafted - 1] += 0.1 * (t_draft / p->speed - cm->t_draft[n_drafted - 1]);
         } else if (n_drafted >= 1 && cm->n_draft == 0) {
             p->t_draft_ext = p->t_draft_ext > 0.0 ? 0.9 * p->t_draft_ext + 0.1 * t_draft : t_draft;
@@ -279,7 +285,12 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
             // probe, drafting resumes if what it verified makes a cut pay, else the probes back off
             update_recent(p, k, n_acc);
             p->skipped[0] = 0;
-            if (p->probing) p->probe_every[0] = blind_cut(p, n_drafted) > 0 ? 2 : probe_backoff(p, p->probe_every[0]);
+            if (p->probing) {
+                // drafting resumes once what the probes verified makes a cut pay; until then an accepted
+                // probe halves the wait for the next one, a rejected one doubles it
+                const int32_t half = p->probe_every[0] / 2 > 2 ? p->probe_every[0] / 2 : 2;
+                p->probe_every[0] = blind_cut(p, n_drafted) > 0 ? 2 : (n_acc > 0 ? half : probe_backoff(p, p->probe_every[0]));
+            }
             return;
         }
         p->skipped[c] = 0;
@@ -399,7 +410,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 const int32_t a = accepted[off + (size_t) j];
                 const int32_t got = k < a ? k : a;
                 const double td = dflash_policy_t_draft(&p, n), tv = dflash_policy_t_verify(&p, k + 1);
-                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, tv, k + 1);
+                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, 0, tv, k + 1);
                 out->seconds += td + tv;
                 out->steps++;
                 out->plain_steps += adaptive && n == 0;
