@@ -41,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 from bench_adaptive import PROSE
-
 from bench_humaneval import SAMPLING
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
