@@ -189,7 +189,11 @@ def _record(agg: dict, key: str, r) -> None:
 def replay_part(n_tok: int, acceptances: list[float], fixed: list[int]) -> dict:
     """Bigger targets with a replayed draft source at a fixed per-slot acceptance p (each drafted
     token right with probability p while the ones before it were): the cost model's predicted step
-    time against the measured one, and where speculation starts to pay."""
+    time against the measured one, and where speculation starts to pay.  In exact mode: the
+    replayed text is plain decoding's, and in the default mode a near tie rounded apart by a verify
+    batch would leave the source replaying another text, every draft rejected from there on (what
+    the runs of 2026-12-01 measured after their first divergence).  Exact mode verifies at most 7
+    rows on these K-quant targets (its self-check), so the longest fixed length is 6."""
     import random
 
     from llama_dflash.api.models import pypi_target
@@ -201,7 +205,7 @@ def replay_part(n_tok: int, acceptances: list[float], fixed: list[int]) -> dict:
     for label, target in (("Qwen2.5-Coder-1.5B Q4_K_M", pypi_target("qwen2.5-coder-1.5b")),
                           ("Gemma-3-270M Q4_K_M", pypi_target("gemma-3-270m"))):
         agg: dict[str, dict] = {}
-        with SpeculativeGenerator(target, None, n_ctx=1024, n_threads=2) as g:
+        with SpeculativeGenerator(target, None, n_ctx=1024, n_threads=2, exact=True) as g:
             g.generate(prompts[0], 4, draft_len=0)
             for text in prompts:
                 toks = g.tokenize(text)
@@ -220,8 +224,8 @@ def replay_part(n_tok: int, acceptances: list[float], fixed: list[int]) -> dict:
                         src = ReplayDraftSource(toks + ref.tokens, g.n_vocab, corrupt)
                         r = g.generate(toks, n_tok, stop_on_eos=False, draft_source=src,
                                        draft_len=n or 15, speculation="on" if n else "auto")
-                        # (default mode: a near-tie may split the outputs; the replay then only proposes
-                        # rejected drafts from there on, which this bench's speeds include)
+                        if r.tokens != ref.tokens:
+                            raise AssertionError(f"{label} p={p} n={n}: exact mode diverged from plain decoding")
                         _record(agg, f"p{p}/" + (f"fixed_n{n}" if n else "auto"), r)
             cm = g.cost_model()
         base = sum(x[0] for x in agg["plain"]) / sum(x[1] for x in agg["plain"])
@@ -258,7 +262,7 @@ def main() -> None:
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if "replay" in a.parts.split(","):
         res["replay"] = {**run, "tokens": a.replay_tokens,
-                         "targets": replay_part(a.replay_tokens, [0.3, 0.5, 0.7, 0.9], [3, 7])}
+                         "targets": replay_part(a.replay_tokens, [0.3, 0.5, 0.7, 0.9], [3, 6]), "exact": True}
         path.write_text(json.dumps(res, indent=1))
     if "sets" not in a.parts.split(","):
         return
