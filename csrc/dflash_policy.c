@@ -44,6 +44,10 @@ void dflash_policy_init(struct dflash_policy * p) {
     p->ep_state = -1;
 }
 
+void dflash_policy_begin(struct dflash_policy * p) {
+    memset(p->recent_n, 0, sizeof(p->recent_n));  // (the drafter's recent[] only sizes drafts: kept as it is)
+}
+
 // t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
 static double curve(const double * t, int32_t n, int32_t k) {
     if (k <= n) return t[k - 1];
@@ -287,9 +291,20 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
             p->skipped[0] = 0;
             if (p->probing) {
                 // drafting resumes once what the probes verified makes a cut pay; until then an accepted
-                // probe halves the wait for the next one, a rejected one doubles it
+                // probe halves the wait for the next one if one more would make it pay, and anything
+                // else doubles it (a source far from paying is not probed often, however lucky)
                 const int32_t half = p->probe_every[0] / 2 > 2 ? p->probe_every[0] / 2 : 2;
-                p->probe_every[0] = blind_cut(p, n_drafted) > 0 ? 2 : (n_acc > 0 ? half : probe_backoff(p, p->probe_every[0]));
+                if (blind_cut(p, n_drafted) > 0) {
+                    p->probe_every[0] = 2;
+                } else if (n_acc == 0) {
+                    p->probe_every[0] = probe_backoff(p, p->probe_every[0]);
+                } else {
+                    const double r0 = p->recent[0];
+                    p->recent[0] = r0 + BLIND_PROBE_W * (1.0 - r0);
+                    const bool near = blind_cut(p, n_drafted) > 0;
+                    p->recent[0] = r0;
+                    p->probe_every[0] = near ? half : probe_backoff(p, p->probe_every[0]);
+                }
             }
             return;
         }
@@ -398,6 +413,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
         memset(out, 0, sizeof(*out));
         size_t off = 0;
         for (int32_t t = 0; t < n_traces; off += (size_t) lens[t++]) {
+            dflash_policy_begin(&p);
             // dflash_engine_step's order: the cap, plan, draft, cut, verify (greedy), observe
             for (int32_t j = 0; j < lens[t];) {
                 const int32_t left = lens[t] - j - 1;  // never draft past the token budget

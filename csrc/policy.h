@@ -42,6 +42,9 @@ struct dflash_policy {
 };
 
 void   dflash_policy_init(struct dflash_policy * p);
+// A new generation: a draft source's quality depends on the text (prompt lookup on a prompt that
+// quotes what follows, or not), so its per-position estimates keep their values only as a prior.
+void   dflash_policy_begin(struct dflash_policy * p);
 void   dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal);
 // Seconds of a verify batch of k rows / a draft of n tokens, as the model predicts them now.
 double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k);

@@ -285,10 +285,12 @@ def _fixed_seconds(traces, tv, n):
 @pytest.mark.parametrize("tv_ms", [TV_QWEN, TV_GEMMA, [x * 1e3 for x in TV]], ids=["qwen", "gemma", "smollm2"])
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.5, 0.7, 0.9])
 def test_replay_blind_source_never_loses_and_finds_what_pays(tv_ms, p):
-    """A draft source without confidences at i.i.d. acceptance p: never below 0.97x plain decoding,
-    and where drafts pay, close to the best fixed length (which the policy does not know).  (Before:
-    a source whose first cut verified nothing was drafted every step and never verified again --
-    Gemma at p = 0.9 ran at exactly plain speed; one early rejection kept a slot unverified for good.)"""
+    """A draft source without confidences at i.i.d. acceptance p, 8 generations of 128 tokens (each
+    starts its estimates over: a source's quality depends on the text): never below 0.97x plain
+    decoding, and where drafts pay, most of the best fixed length's gain (which the policy does not
+    know).  (Before: a source whose first cut verified nothing was drafted every step and never
+    verified again -- Gemma at p = 0.9 ran at exactly plain speed; one early rejection kept a slot
+    unverified for good.)"""
     tv = [x / 1e3 for x in tv_ms]
     for seed in range(4):
         traces = _iid_traces(p, seed=seed)
@@ -297,7 +299,7 @@ def test_replay_blind_source_never_loses_and_finds_what_pays(tv_ms, p):
         best = max(r["plain_seconds"] / _fixed_seconds(traces, tv, n) for n in range(1, 8))
         assert x >= 0.97, (seed, x, r)
         if best >= 1.3:
-            assert x >= 0.9 * best, (seed, x, best, r)
+            assert x - 1 >= 0.6 * (best - 1), (seed, x, best, r)
 
 
 @pytest.mark.parametrize("tv_ms", [TV_QWEN, TV_GEMMA, [x * 1e3 for x in TV]], ids=["qwen", "gemma", "smollm2"])
