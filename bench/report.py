@@ -606,8 +606,9 @@ def policy_reach() -> list[str]:
     r = _load("policy.json")
     cm = r["cost_model_ms"]
     out = ["### What a length policy can reach: dense traces", "",
-           _source(r["command"], r["date"], "policy.json", f"; {r['tokens']} tokens per prompt, greedy, "
-                   f"{r['target']} + {r['drafter']}"), "",
+           _source(r["command"], r["date"], "policy.json", f"; {r['tokens']} tokens per prompt, "
+                   + ("greedy and T = 0.7 (match verification, seeded), " if any(k.endswith("_t0.7") for k in r["sets"])
+                      else "greedy, ") + f"{r['target']} + {r['drafter']}"), "",
            "For every position of each prompt's plain output, the drafter's n_max-token draft from there and "
            "how much of it the output continues with; any length policy's steps and their cost-model time follow "
            "from these traces exactly. The oracle (dynamic programming over positions) knows every draft's "
@@ -616,7 +617,9 @@ def policy_reach() -> list[str]:
            "probe every P plain steps; each draft cut by calibrated confidence, the calibration fitted on the same "
            "traces); \"engine, replayed\" runs the engine's own policy functions (csrc/dflash_policy.c) step by "
            "step on the traces; \"free drafts\" is the causal family with t_draft = 0 (what the confidence "
-           "signal is worth by itself). \"measured\" is our adaptive loop against our plain loop, timed in the "
+           "signal is worth by itself). At T = 0.7 match verification keeps a draft while it equals the seeded "
+           "sample, and the samples are plain decoding's, so the sampled output is traced like the greedy one. "
+           "\"measured\" is our adaptive loop against our plain loop, timed in the "
            "same run, interleaved prompt by prompt. Gains are over plain decoding. Two approximations: a shorter "
            "draft is taken to be the long one's start (a block's rows attend to each other; \"3-token prefix\" is "
            "the share of positions where a 3-token draft is), and every draft is returned whole (no cut-off).",

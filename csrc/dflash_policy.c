@@ -264,9 +264,13 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
             // a joint decode: its own speed factor (the one-sequence curves stay as they are)
             p->joint_speed = 0.8 * (p->joint_speed > 0.0 ? p->joint_speed : p->speed) + 0.2 * r;
         } else {
-            // machine drift moves every size alike; each size's own curve follows more slowly
+            // machine drift moves every size alike; each size's own curve follows more slowly, but for
+            // one row's, which anchors the speed factor: were both refined, a run of plain steps (all
+            // one row) could trade one for the other without end, the speed drifting up, the one-row
+            // time down and every larger batch priced too high (t(2) / t(1) measured 1.4-1.7 here
+            // reached 3.3 over a long bench)
             p->speed = 0.9 * p->speed + 0.1 * r;
-            if (rows_total <= cm->n_rows) {
+            if (rows_total >= 2 && rows_total <= cm->n_rows) {
                 cm->t_verify[rows_total - 1] += 0.05 * (t_verify / p->speed - cm->t_verify[rows_total - 1]);
             }
         }
