@@ -20,13 +20,16 @@ from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
 _STORE = "costs.json"
+# how saved curves were refined: 2 = the one-row time anchors the speed factor (version 1's curves
+# could drift, t(2) / t(1) to twice its measured value, and are measured again instead)
+_COSTS_VERSION = 2
 
 
 def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None, n_threads: int,
              placement: str, exact: bool) -> str:
     """What the cost model and calibration depend on."""
     return key_of(*file_id(model_path), *(file_id(drafter_path) if drafter_path else ["none"]), *build_id(),
-                  n_threads, placement, exact, int(lib.DFLASH_CONF_VERSION))
+                  n_threads, placement, exact, int(lib.DFLASH_CONF_VERSION), _COSTS_VERSION)
 
 
 def load(engine, key: str) -> bool:
