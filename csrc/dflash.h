@@ -197,6 +197,7 @@ void    dflash_state_free(dflash_state * st);
 void    dflash_state_reset(dflash_state * st);
 int32_t dflash_state_truncate(dflash_state * st, int32_t n);
 int32_t dflash_state_n_ctx_used(const dflash_state * st);
+int32_t dflash_state_n_pending(const dflash_state * st);  /* pushed rows the next graph run injects */
 int32_t dflash_state_push(dflash_state * st, const float * rows, int32_t n_rows, char * err, size_t err_len);
 int32_t dflash_state_last_lattice(const dflash_state * st, int32_t * cand, float * scores);
 /* dflash_drafter_draft / _draft_sample on the state `st` instead of the drafter's own. */

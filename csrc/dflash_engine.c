@@ -72,7 +72,6 @@ struct dflash_engine {
     dflash_state * st;         // the drafter state: the drafter's own, or (shared) this engine's
     int32_t row0;              // this engine's first row in the last verify decode
     int32_t joint_rows, own_rows; // the last joint decode's rows, and this engine's share of them
-    int32_t queued;               // feature rows pushed to the drafter since its last draft (that draft injects them)
     struct step_plan plan;     // the step between its draft and its verify
 };
 
@@ -454,7 +453,6 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
         if (decode(e, prompt + p, n, p, p + n == n_prompt ? n - 1 : n, &feats, err, err_len) != 0) return -1;
         if (e->drafter && dflash_state_push(e->st, feats, n, err, err_len) != 0) return -1;
     }
-    e->queued = n_prompt - reuse;
     dflash_rng_seed(&e->rng, params->seed);
     st->mode = params->mode;
     float margin = NAN;
@@ -520,6 +518,8 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
         grammar_filter.ud = llama_sampler_clone(params->grammar);
         gf = grammar_filter.ud ? &grammar_filter : NULL;
     }
+    // the drafter's graph first injects the rows pushed since its last run (part of the draft's time)
+    pl->n_injected = n > 0 && !e->draft_fn && e->drafter ? dflash_state_n_pending(e->st) : 0;
     if (n > 0) {
         if (e->draft_fn) {
             n_drafted = e->draft_fn(e->draft_ud, e->history, e->n_hist, n, drafts);
@@ -572,11 +572,6 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
         if (n_drafted < params->n_min) n_drafted = 0; // too short to pay for its verification
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
-    pl->n_injected = 0;
-    if (n_made > 0 && !e->draft_fn && e->drafter) {  // (the drafter's graph injected the queued rows first)
-        pl->n_injected = e->queued;
-        e->queued = 0;
-    }
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
     if (adaptive || e->policy.have_costs) {  // (a fixed-length step is predicted once a cost model exists)
         st->t_predicted_s +=
@@ -672,7 +667,6 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
         return -1;
     }
     if (e->drafter && dflash_state_push(e->st, feats, n_keep, err, err_len) != 0) return -1;
-    e->queued += n_keep;
     e->n_past += n_keep;
     e->n_gen += n_out;
 

@@ -72,6 +72,8 @@ int32_t dflash_state_n_ctx_used(const dflash_state * st) {
     return st->n_cached + st->n_pending;
 }
 
+int32_t dflash_state_n_pending(const dflash_state * st) { return st->n_pending; }
+
 int32_t dflash_state_push(dflash_state * st, const float * rows, int32_t n_rows, char * err, size_t err_len) {
     struct dflash_drafter * d = st->d;
     if (n_rows < 0) return -1;
