@@ -250,7 +250,10 @@ def main() -> None:
                     "file exists, read back and analysed again (e.g. after a policy change) without running anything")
     ap.add_argument("--out", default="bench/results/policy.json")
     a = ap.parse_args()
-    a.temps = {t == "t0.7" for t in a.temps.split(",")}
+    temps = a.temps.split(",")
+    if not temps or not set(temps) <= {"greedy", "t0.7"}:
+        ap.error(f"--temps takes greedy and / or t0.7, not {a.temps!r}")
+    a.temps = {t == "t0.7" for t in temps}
     tf = Path(a.traces) if a.traces else None
     if tf and tf.is_file():
         res = json.loads(tf.read_text())
