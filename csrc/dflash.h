@@ -101,7 +101,8 @@ void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_inf
 
 /* Bytes the drafter allocated itself (the borrowed embedding/head excluded). */
 struct dflash_drafter_memory {
-    size_t weights;
+    size_t weights;           /* its own tensors, the repacked ones included */
+    size_t repacked;          /* of which the CPU backend holds repacked for its multi-row kernels */
     size_t cache;
     size_t compute;
     size_t borrowed;          /* size of the target tensors it uses in place */

@@ -103,6 +103,26 @@ def test_quantized_drafter_weights(artifacts, load_model, tmp_path):
     d.close()
 
 
+def test_q4_0_weights_run_repacked(artifacts, load_model, tmp_path):
+    """Q4_0 matrices go to the CPU backend's repacking buffer where its multi-row kernels take them
+    (AVX2 here) and the drafts stay close to the f32 reference of the same weights."""
+    import llama_cpp
+
+    a = artifacts["llama"]
+    cfg = drafter_config(a["spec"])
+    path = write_random_drafter(str(tmp_path / "q4.gguf"), a["target"], cfg, seed=4, outtype="q4_0")
+    model = load_model(a["target"])
+    d = Drafter(path, model, n_ctx=256, n_threads=2)
+    mem = d.memory()
+    if b"AVX2 = 1" in llama_cpp.llama_print_system_info():
+        assert 0 < mem["repacked"] < mem["weights"]  # the matrices; the norms are not
+    ref = DFlashReference.from_gguf(path)
+    embed, head = target_tables(a["target"])
+    feats = np.random.default_rng(2).standard_normal((50, 3 * 64)).astype(np.float32)
+    check(d, ref, feats, [(20, 7), (5, 15), (3, 5)], embed, head, ATOL_Q8)
+    d.close()
+
+
 def test_p_min_cuts_the_draft(artifacts, load_model):
     """DFlash v1: the draft stops at the first slot whose top-K softmax confidence is below p_min."""
     a = artifacts["llama"]

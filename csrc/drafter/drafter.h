@@ -57,6 +57,8 @@ struct dflash_drafter {
 
     struct ggml_context * ctx_w;    // own weights
     ggml_backend_buffer_t buf_w;
+    struct ggml_context * ctx_wr;   // own matrices the CPU backend repacks for its batched kernels
+    ggml_backend_buffer_t buf_wr;
 
     // w.tok_embd / w.head are the target's tensors unless the file has its own (own_*);
     // w.d2t (reduced vocabulary) holds the target ids as I32, also on the host in d2t_host.

@@ -259,7 +259,12 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     struct ggml_tensor * z = ggml_view_3d(ctx, h, hp->n_embd, n, n_seq, h->nb[1], h->nb[1] * B, h->nb[1] * skip);
     z = ggml_reshape_2d(ctx, ggml_cont(ctx, z), hp->n_embd, n * n_seq);
     z = rms(ctx, z, d->w.out_norm, hp->rms_eps);
-    struct ggml_tensor * logits = ggml_mul_mat(ctx, d->w.head, z); // [n_vocab_draft, n * n_seq]
+    // The head's product runs on 4-row tiles: 5-7 rows cost more than 8 (a 49152-token head at n = 7: 1.5x),
+    // so above 4 rows it takes zero rows up to a multiple of 4 and the logits are the first rows.
+    const int64_t R = n * n_seq, R_pad = (R + 3) / 4 * 4;
+    struct ggml_tensor * logits = R > 4 && R_pad > R ? ggml_pad(ctx, z, 0, (int) (R_pad - R), 0, 0) : z;
+    logits = ggml_mul_mat(ctx, d->w.head, logits); // [n_vocab_draft, R_pad]
+    if (logits->ne[1] > R) logits = ggml_view_2d(ctx, logits, logits->ne[0], R, logits->nb[1], 0);
     if (hp->logit_scale != 1.0f) logits = ggml_scale(ctx, logits, hp->logit_scale);
     if (hp->softcap > 0.0f) {
         logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp->softcap)), hp->softcap);

@@ -528,14 +528,16 @@ static struct ggml_tensor * target_tensor(const struct llama_model * target, con
     return need_host ? NULL : ts[0];
 }
 
+// Reads the file's bytes of every tensor of ctx (a repacking buffer converts them as they are set).
 static bool read_weights(struct dflash_drafter * d, const char * path, const struct gguf_context * g,
-                         char * err, size_t err_len) {
+                         struct ggml_context * ctx, char * err, size_t err_len) {
+    if (!ggml_get_first_tensor(ctx)) return true;
     FILE * f = fopen(path, "rb");
     if (!f) FAIL("cannot open drafter file '%s'", path);
     void * tmp = NULL;
     size_t tmp_size = 0;
     bool ok = true;
-    for (struct ggml_tensor * t = ggml_get_first_tensor(d->ctx_w); t; t = ggml_get_next_tensor(d->ctx_w, t)) {
+    for (struct ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
         const bool is_d2t = t == d->w.d2t;
         size_t nbytes = is_d2t ? sizeof(int64_t) * (size_t) t->ne[0] : ggml_nbytes(t);
         if (nbytes > tmp_size) {
@@ -602,18 +604,69 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
     return true;
 }
 
-// Copies of the file's tensors in our own buffer (the target's borrowed ones stay where they are).
+// The CPU backend's repacking buffer type (llama.cpp's CPU_REPACK: Q4_0 and IQ4_NL matrices in
+// interleaved blocks for its multi-row kernels on AVX2, more types on ARM), when the drafter runs
+// on the CPU; NULL otherwise.
+static ggml_backend_buffer_type_t repack_buft(const struct dflash_drafter * d) {
+    if (d->backends[0] != d->cpu) return NULL;
+    ggml_backend_dev_t dev = ggml_backend_get_device(d->cpu);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : NULL;
+    typedef ggml_backend_buffer_type_t * (*extra_bufts_fn)(ggml_backend_dev_t);
+    extra_bufts_fn fn = reg ? (extra_bufts_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts")
+                            : NULL;
+    for (ggml_backend_buffer_type_t * b = fn ? fn(dev) : NULL; b && *b; b++) {
+        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
+    }
+    return NULL;
+}
+
+// Whether the CPU device runs a mul_mat with w held in buft (llama.cpp's own test for its weights:
+// the repacking buffer takes only the types and shapes its kernels handle on this CPU).
+static bool runs_repacked(const struct dflash_drafter * d, ggml_backend_buffer_type_t buft,
+                          const struct ggml_tensor * w) {
+    if (!buft || ggml_n_dims(w) != 2) return false;
+    struct ggml_init_params ip = { 4 * ggml_tensor_overhead(), NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(buft, 0);
+    bool ok = false;
+    if (ctx && probe) {
+        struct ggml_tensor * wt = ggml_dup_tensor(ctx, w);
+        wt->buffer = probe;
+        struct ggml_tensor * op = ggml_mul_mat(ctx, wt, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 8));
+        ok = ggml_backend_dev_supports_op(ggml_backend_get_device(d->cpu), op);
+    }
+    if (probe) ggml_backend_buffer_free(probe);
+    if (ctx) ggml_free(ctx);
+    return ok;
+}
+
+// Copies of the file's tensors in our own buffers (the target's borrowed ones stay where they are):
+// matrices that only multiply (W; the embedding is also gathered) in the repacking buffer where
+// the CPU takes them, everything else in the first backend's buffer.
 static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context * g, const struct file_tensors * ft,
                           const char * path, char * err, size_t err_len) {
     struct ggml_init_params ip = { ((size_t) gguf_get_n_tensors(g) + 8) * ggml_tensor_overhead(), NULL, true };
     d->ctx_w = ggml_init(ip);
-    if (!d->ctx_w) FAIL("out of memory allocating drafter weights");
-#define DUP(dst, m) if (m) { dst = ggml_dup_tensor(d->ctx_w, m); ggml_set_name(dst, ggml_get_name(m)); }
-#define X(field, ...) if (strcmp(#field, "d2t") != 0) { DUP(d->w.field, ft->w.field) }
+    d->ctx_wr = ggml_init(ip);
+    if (!d->ctx_w || !d->ctx_wr) FAIL("out of memory allocating drafter weights");
+    ggml_backend_buffer_type_t rbuft = repack_buft(d);
+    int32_t n_repacked = 0;
+#define DFLASH_MULTIPLIES_F32 0
+#define DFLASH_MULTIPLIES_W 1
+#define DFLASH_MULTIPLIES_I64 0
+#define DUP(dst, m, mat)                                                                   \
+    if (m) {                                                                               \
+        const bool r = (mat) && runs_repacked(d, rbuft, m);                                \
+        dst = ggml_dup_tensor(r ? d->ctx_wr : d->ctx_w, m);                                \
+        ggml_set_name(dst, ggml_get_name(m));                                              \
+        n_repacked += r;                                                                   \
+    }
+#define X(field, name, need, dtype, ...) \
+    if (strcmp(#field, "d2t") != 0) { DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && strcmp(#field, "tok_embd") != 0) }
     DFLASH_TOP_TENSORS(X)
 #undef X
     for (int il = 0; il < d->hp.n_layer; il++) {
-#define X(field, ...) DUP(d->layers[il].field, ft->layers[il].field)
+#define X(field, name, need, dtype, ...) DUP(d->layers[il].field, ft->layers[il].field, DFLASH_MULTIPLIES_##dtype)
         DFLASH_LAYER_TENSORS(X)
 #undef X
     }
@@ -626,7 +679,12 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
     d->buf_w = ggml_backend_alloc_ctx_tensors(d->ctx_w, d->backends[0]);
     if (!d->buf_w) FAIL("out of memory allocating drafter weights");
     ggml_backend_buffer_set_usage(d->buf_w, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    return read_weights(d, path, g, err, err_len);
+    if (n_repacked > 0) {
+        d->buf_wr = ggml_backend_alloc_ctx_tensors_from_buft(d->ctx_wr, rbuft);
+        if (!d->buf_wr) FAIL("out of memory allocating drafter weights");
+        ggml_backend_buffer_set_usage(d->buf_wr, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
+    return read_weights(d, path, g, d->ctx_w, err, err_len) && read_weights(d, path, g, d->ctx_wr, err, err_len);
 }
 
 // Scheduler, sized by the largest single-sequence graph: a full context, a full
@@ -670,6 +728,8 @@ void dflash_drafter_free(dflash_drafter * d) {
     dflash_state_free(d->def);
     if (d->buf_w) ggml_backend_buffer_free(d->buf_w);
     if (d->ctx_w) ggml_free(d->ctx_w);
+    if (d->buf_wr) ggml_backend_buffer_free(d->buf_wr);
+    if (d->ctx_wr) ggml_free(d->ctx_wr);
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
     free(d->d2t_host);
@@ -718,7 +778,9 @@ void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_inf
 
 void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_memory * out) {
     memset(out, 0, sizeof(*out));
-    out->weights = d->buf_w ? ggml_backend_buffer_get_size(d->buf_w) : 0;
+    out->weights = (d->buf_w ? ggml_backend_buffer_get_size(d->buf_w) : 0) +
+                   (d->buf_wr ? ggml_backend_buffer_get_size(d->buf_wr) : 0);
+    out->repacked = d->buf_wr ? ggml_backend_buffer_get_size(d->buf_wr) : 0;
     out->cache = d->def && d->def->buf_kv ? ggml_backend_buffer_get_size(d->def->buf_kv) : 0;
     for (int i = 0; i < d->n_backends; i++) out->compute += ggml_backend_sched_get_buffer_size(d->sched, d->backends[i]);
     out->borrows_embedding = !d->own_embd;

@@ -33,11 +33,13 @@ class Drafter(_native.Resource):
         self.info: DrafterConfig = from_info(i)
 
     def memory(self) -> dict:
-        """Bytes allocated by the drafter (weights, cache, compute) and borrowed from the target."""
+        """Bytes allocated by the drafter (weights, of which repacked for the CPU's multi-row kernels,
+        cache, compute) and borrowed from the target."""
         m = ffi.new("struct dflash_drafter_memory *")
         lib.dflash_drafter_get_memory(self._d, m)
-        return {"weights": m.weights, "cache": m.cache, "compute": m.compute, "borrowed": m.borrowed,
-                "borrows_embedding": bool(m.borrows_embedding), "borrows_head": bool(m.borrows_head)}
+        return {"weights": m.weights, "repacked": m.repacked, "cache": m.cache, "compute": m.compute,
+                "borrowed": m.borrowed, "borrows_embedding": bool(m.borrows_embedding),
+                "borrows_head": bool(m.borrows_head)}
 
     @property
     def handle(self):
