@@ -238,6 +238,16 @@ def run_cli(*args):
                           timeout=600)
 
 
+def test_cli_quantize(artifacts, tmp_path):
+    a = artifacts["llama"]
+    out = tmp_path / "q4.gguf"
+    r = run_cli("quantize", a["drafter"], "--outtype", "q4_0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "as q4_0" in r.stdout and out.is_file()
+    r = run_cli("quantize", str(tmp_path / "missing.gguf"), "--outtype", "q4_0", "--out", str(out))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "not found" in r.stderr
+
+
 def test_cli_convert_and_inspect(artifacts, tmp_path):
     a = artifacts["llama"]
     d, _, _ = make_variant(tmp_path, "v2")

@@ -14,13 +14,14 @@ from dataclasses import fields
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
 
 from llama_dflash import DFlashError, _native
 from llama_dflash.core.drafter import Drafter
 from llama_dflash.formats import ConvertError, convert_hf_to_gguf
 from llama_dflash.formats.check import check_drafter
 from llama_dflash.formats.config import DrafterConfig
-from llama_dflash.formats.gguf import ARCH, random_drafter_tensors, write_drafter
+from llama_dflash.formats.gguf import ARCH, quantize_drafter, random_drafter_tensors, write_drafter
 from llama_dflash.formats.table import evaluate, table
 
 from hf_fixtures import make_variant
@@ -203,3 +204,36 @@ def test_quantized_matrices_are_accepted(artifacts, model, tmp_path):
     assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32  # the table's F32 rows stay f32
     assert check_drafter(p).n_layer == 2
     Drafter(p, model, n_ctx=64, n_threads=1).close()
+
+
+def test_quantize_rewrites_the_matrices_only(artifacts, model, tmp_path):
+    """quantize_drafter: every matrix in the new type (the converter's rule), every other tensor and
+    key as it was; the weights are the old ones within the new type's rounding, and the file loads."""
+    a = artifacts["llama"]
+    cfg = drafter_config(a["spec"], conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                         n_vocab=VOCAB)
+    src = tmp_path / "q8.gguf"
+    write_drafter(src, cfg, random_drafter_tensors(cfg, seed=1), a["target"], outtype="q8_0")
+    res = quantize_drafter(src, tmp_path / "q4.gguf", "q4_0")
+    r0, r1 = GGUFReader(str(src)), GGUFReader(res["path"])
+    assert {k: f.contents() for k, f in r0.fields.items()} == {k: f.contents() for k, f in r1.fields.items()}
+    t1 = {t.name: t for t in r1.tensors}
+    changed = 0
+    for t0 in r0.tensors:
+        t = t1.pop(t0.name)
+        assert t.shape.tolist() == t0.shape.tolist()
+        if t0.tensor_type != GGMLQuantizationType.Q8_0:
+            assert t.tensor_type == t0.tensor_type and np.array_equal(np.asarray(t.data), np.asarray(t0.data))
+            continue
+        changed += 1
+        assert t.tensor_type == GGMLQuantizationType.Q4_0
+        x0, x1 = dequantize(t0.data, t0.tensor_type), dequantize(t.data, t.tensor_type)
+        assert np.abs(x1 - x0).max() <= 0.15 * np.abs(x0).max()  # 4-bit blocks: within a step of the block's scale
+    assert not t1 and changed == res["tensors_changed"] > 0
+    assert GGMLQuantizationType.F32 in {t.tensor_type for t in r1.tensors}  # norms, conv bases, codebooks
+    Drafter(res["path"], model, n_ctx=64, n_threads=1).close()
+    with pytest.raises(ValueError, match="not a DFlash drafter"):
+        quantize_drafter(a["target"], tmp_path / "x.gguf", "q4_0")
+    with pytest.raises(ValueError, match="outtype"):
+        quantize_drafter(src, tmp_path / "x.gguf", "q3_k")
+    assert not (tmp_path / "x.gguf").exists()

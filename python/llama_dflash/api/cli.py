@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import DFlashError
+from ..formats.gguf import OUTTYPES
 from ..train.store import FORMATS as FEATURE_FORMATS
 from ..verify.certify import divergence_report, replay_divergence
 
@@ -302,6 +303,14 @@ def cmd_reduce_vocab(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from ..formats.gguf import quantize_drafter
+
+    res = quantize_drafter(a.drafter, a.out, a.outtype)
+    print(f"wrote {res['path']}: {res['tensors_changed']} matrices as {a.outtype}, {res['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     from ..formats import describe
 
@@ -493,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--v2-steps", type=_int(-_I32), default=None)
     t.add_argument("--n-layer", type=_int(-_I32), default=None)
     t.add_argument("--block-size", type=_int(-_I32), default=None)
-    t.add_argument("--outtype", default=None, choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    t.add_argument("--outtype", default=None, choices=OUTTYPES)
     t.add_argument("--seed", type=_int(-_I32), default=None)
     t.add_argument("--draft-vocab", type=_int(-_I32), default=None,
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")
@@ -526,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--outfile", help="the GGUF drafter to write")
     out.add_argument("--speculators", metavar="DIR", help="write a checkpoint in vLLM speculators' schema instead")
     c.add_argument("--verifier", help="with --speculators: the verifier's name or path to record (default: --target)")
-    c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    c.add_argument("--outtype", default="f16", choices=OUTTYPES)
     c.add_argument("--verbose", action="store_true")
     c.set_defaults(func=cmd_convert)
     r = sub.add_parser("reduce-vocab", help="a drafter that proposes only the N most frequent tokens (cheaper "
@@ -539,6 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True)
     r.add_argument("--verbose", action="store_true")
     r.set_defaults(func=cmd_reduce_vocab)
+    q = sub.add_parser("quantize", help="a drafter GGUF with its matrices in another type (q4_0: the CPU's "
+                                        "repacked kernels, drafts about twice as fast as q8_0)")
+    q.add_argument("drafter", help="a drafter GGUF")
+    q.add_argument("--outtype", required=True, choices=OUTTYPES)
+    q.add_argument("--out", required=True)
+    q.add_argument("--verbose", action="store_true")
+    q.set_defaults(func=cmd_quantize)
     i = sub.add_parser("inspect", help="describe a drafter GGUF (and whether it fits a target)")
     i.add_argument("file")
     i.add_argument("--target", default=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -32,6 +33,7 @@ _OUTTYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
 }
+OUTTYPES = tuple(_OUTTYPES)  # the types a drafter's matrices can be written in
 
 
 def _field_value(f):
@@ -161,6 +163,59 @@ def write_drafter(
             progress(done, total)
     w.close()
     return len(srcs)
+
+
+_SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+
+
+def copy_fields(src: GGUFReader, w: GGUFWriter) -> None:
+    """Copy every key of a drafter GGUF (the writer sets the architecture and the counts)."""
+    for name, f in src.fields.items():
+        if name in _SKIP_KEYS:
+            continue
+        vtype = GGUFValueType(f.types[0])
+        sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+
+
+def quantize_drafter(src: str | os.PathLike, out: str | os.PathLike, outtype: str) -> dict:
+    """Write `out`: the drafter GGUF `src` with its matrices re-encoded in `outtype` by the
+    converter's rule (`tensor_type`: norms, conv bases and codebooks stay f32; id maps as they are).
+
+    On the CPU, q4_0 matrices are what llama.cpp repacks for its multi-row kernels (AVX2 and
+    ARM): the drafter reads half the bytes of q8_0 and multiplies faster.  Returns the tensors
+    re-encoded and the file's size.
+    """
+    from ..errors import check_file
+
+    check_file(src, "drafter")
+    if outtype not in _OUTTYPES:
+        raise ValueError(f"outtype must be one of {sorted(_OUTTYPES)}, got {outtype!r}")
+    r = GGUFReader(os.fspath(src))
+    arch = r.fields.get("general.architecture")
+    if arch is None or arch.contents() != ARCH:
+        raise ValueError(f"{src} is not a DFlash drafter GGUF")
+    out = Path(out)
+    tmp = out.with_name(out.name + ".part")
+    w = GGUFWriter(os.fspath(tmp), ARCH)
+    copy_fields(r, w)
+    changed = 0
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # PyTorch order
+        keep = t.tensor_type in (GGMLQuantizationType.I32, GGMLQuantizationType.I64)
+        qt = t.tensor_type if keep else tensor_type(t.name, shape, outtype)
+        if qt == t.tensor_type:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=qt)
+            continue
+        x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        w.add_tensor(t.name, _encode(x, qt), raw_dtype=qt)
+        changed += 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return {"path": str(out), "bytes": out.stat().st_size, "outtype": outtype, "tensors_changed": changed}
 
 
 def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, np.ndarray]:

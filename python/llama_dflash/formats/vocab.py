@@ -16,11 +16,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from .gguf import ARCH
-
-_SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+from .gguf import ARCH, copy_fields
 
 
 def token_counts(n_vocab: int, sources: Iterable[np.ndarray]) -> np.ndarray:
@@ -60,15 +58,6 @@ def _target_head(target: GGUFReader):
     raise ValueError("the target GGUF has neither output.weight nor token_embd.weight")
 
 
-def _copy_fields(src: GGUFReader, w: GGUFWriter) -> None:
-    for name, f in src.fields.items():
-        if name in _SKIP_KEYS:
-            continue
-        vtype = GGUFValueType(f.types[0])
-        sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
-
-
 def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike,
                  keep: np.ndarray) -> Path:
     """Write `out`: the drafter with its own head over the target ids `keep` and a d2t map.
@@ -99,7 +88,7 @@ def reduce_vocab(drafter: str | os.PathLike, target: str | os.PathLike, out: str
     out = Path(out)
     tmp = out.with_name(out.name + ".part")
     w = GGUFWriter(os.fspath(tmp), ARCH)
-    _copy_fields(d, w)
+    copy_fields(d, w)
     for t in d.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     rows = np.ascontiguousarray(np.asarray(head.data)[keep])  # quantized rows are self-contained blocks
