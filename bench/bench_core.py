@@ -195,6 +195,52 @@ def reduced_vocab_steps(target: Path, tmp: Path, threads: int, reps: int) -> dic
     return res
 
 
+def inloop_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
+    """A drafter step in the loop's shape, ours and upstream's graph on the same file: a target
+    verify of n + 1 rows (which streams the target's weights through the caches, as in the loop),
+    then one feature row injected and a draft of n.  Files: a random DFlash v1 drafter with the
+    target's full head (2 layers, f16) and the shipped drafter."""
+    from llama_dflash.api.models import shipped_drafter
+
+    llm = llama_cpp.Llama(str(target), n_ctx=4096, n_threads=threads, verbose=False)
+    rng = np.random.default_rng(3)
+    feats = rng.standard_normal((4096, len(TAPS) * 576)).astype(np.float32)
+    files = {"v1_2l_full_vocab": (drafter_gguf(target, 2, tmp), False), "shipped": (shipped_drafter(), True)}
+    res = {}
+    for name, (path, lattice) in files.items():
+        ours = Drafter(path, llm.model, n_ctx=4096, n_threads=threads)
+        up = UpstreamDrafter(str(path), llm.model, n_ctx=4096, n_threads=threads, exact=False)
+        for n in (3, 7):
+            ours.reset()
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(up.ctx), True)
+            up.n_past = 0
+            ours.push(feats[:256])
+            up.push(feats[:256])
+            t = {"ours": [], "upstream": []}
+            for i in range(reps):
+                row = feats[256 + i:257 + i]
+                for who in ("ours", "upstream"):
+                    if llm.n_tokens + n + 1 > 4000:
+                        llm.reset()
+                    llm.eval([100 + (i + k) % 50 for k in range(n + 1)])  # the verify before the draft
+                    t0 = time.perf_counter()
+                    if who == "ours":
+                        ours.push(row)
+                        ours.draft(100, n)
+                    else:
+                        up.push(row)
+                        if lattice:
+                            up.lattice(100, 16, n)
+                        else:
+                            up.draft(100, 16, n, return_logits=False)
+                    t[who].append(time.perf_counter() - t0)
+            o, u = statistics.median(t["ours"]) * 1e3, statistics.median(t["upstream"]) * 1e3
+            res[f"{name}_n{n}"] = {"ours_ms": o, "upstream_ms": u, "ours_over_upstream": o / u}
+        ours.close()
+        up.close()
+    return res
+
+
 def verify_cost(target: Path, threads: int) -> dict:
     with SpeculativeGenerator(target, n_ctx=2048, n_threads=threads) as g:
         toks = g.tokenize(PROMPT)
@@ -249,7 +295,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/core.json")
-    ap.add_argument("--only", choices=["reduced_vocab"], default=None,
+    ap.add_argument("--only", choices=["reduced_vocab", "inloop"], default=None,
                     help="run one part and merge it into --out (its command and date recorded with it)")
     a = ap.parse_args()
     _logger.set_verbose(False)
@@ -258,11 +304,12 @@ def main() -> int:
     if a.only:
         res = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
         with tempfile.TemporaryDirectory() as tmp:
-            res[a.only] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"),
-                           "steps": reduced_vocab_steps(target, Path(tmp), a.threads, a.reps)}
-        for v in res[a.only]["steps"].values():
-            print(f"draft vocab {v['draft_vocab']:5d}, n = {v['n']}: ours {v['ours_ms']:.2f} ms, "
-                  f"upstream {v['upstream_ms']:.2f} ms ({v['ours_over_upstream']:.2f}x)")
+            part = reduced_vocab_steps if a.only == "reduced_vocab" else inloop_steps
+            res[a.only] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "target_ftype": a.ftype,
+                           "steps": part(target, Path(tmp), a.threads, a.reps)}
+        for k, v in res[a.only]["steps"].items():
+            print(f"{k}: ours {v['ours_ms']:.2f} ms, upstream {v['upstream_ms']:.2f} ms "
+                  f"({v['ours_over_upstream']:.2f}x)")
         Path(a.out).write_text(json.dumps(res, indent=1))
         print("saved", a.out)
         return 0
