@@ -437,7 +437,9 @@ void    dflash_engine_get_calibration(const dflash_engine * e, struct dflash_cal
  * One policy state runs through every trace in order, as through one engine's generations,
  * taking the steps dflash_engine_step takes (plan, draft, cut, verify, learn) with the cost
  * model's times as the measured ones; passes > 1 replays them again from the state reached (the
- * last pass is reported).  cal: a starting calibration (NULL: none).  Returns 0, -1 on bad
+ * last pass is reported).  cal: a starting calibration (NULL: none).  t_inject_row: seconds a draft
+ * pays per feature row committed since the last draft (it injects them first: a probe after a
+ * plain stretch pays for the whole stretch); 0: drafts cost the curve alone.  Returns 0, -1 on bad
  * arguments (in err). */
 struct dflash_replay {
     double  seconds;       /* the cost model's time of the steps taken */
@@ -446,7 +448,8 @@ struct dflash_replay {
 };
 int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
                              int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
-                             int32_t passes, struct dflash_replay * out, char * err, size_t err_len);
+                             int32_t passes, double t_inject_row, struct dflash_replay * out, char * err,
+                             size_t err_len);
 
 /* The whole generation (start + steps).  out_tokens must hold max_tokens ids; out_margins
  * (optional) receives, for every generated token, the target's top-1 minus

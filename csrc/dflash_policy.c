@@ -233,7 +233,7 @@ static void update_recent(struct dflash_policy * p, int32_t k, int32_t n_acc) {
 // probe's forced row) at PROBE_BUDGET of the time: a cheap draft source is probed often, the
 // drafter less.
 static int32_t probe_backoff(const struct dflash_policy * p, int32_t every) {
-    double cost = dflash_policy_t_draft(p, 1) / dflash_policy_t_verify(p, 1);
+    double cost = fmax(dflash_policy_t_draft(p, 1), p->t_probe) / dflash_policy_t_verify(p, 1);
     if (p->blind) cost += fmax(0.0, t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);
     int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
     cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
@@ -285,6 +285,7 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     }
     const double t = t_draft + t_verify;
     if (t > 0.0 && p->base_rows == 0) p->rate = p->rate > 0.0 ? 0.9 * p->rate + 0.1 * committed / t : committed / t;
+    if (p->probing && n_drafted > 0) p->t_probe = p->t_probe > 0.0 ? 0.7 * p->t_probe + 0.3 * t_draft : t_draft;
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
@@ -363,9 +364,14 @@ void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash
 
 int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
                              int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
-                             int32_t passes, struct dflash_replay * out, char * err, size_t err_len) {
+                             int32_t passes, double t_inject_row, struct dflash_replay * out, char * err,
+                             size_t err_len) {
     if (!costs || !out || (n_traces > 0 && (!lens || !accepted))) {
         dflash_seterr(err, err_len, "replay: costs, out, lens and accepted are required");
+        return -1;
+    }
+    if (!(t_inject_row >= 0.0) || !isfinite(t_inject_row)) {
+        dflash_seterr(err, err_len, "replay: t_inject_row is not a time");
         return -1;
     }
     if (n_max < 1 || n_max > DFLASH_MAX_DRAFT || costs->n_rows < n_max + 1 || costs->n_rows > DFLASH_MAX_ROWS ||
@@ -418,6 +424,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
         size_t off = 0;
         for (int32_t t = 0; t < n_traces; off += (size_t) lens[t++]) {
             dflash_policy_begin(&p);
+            int32_t pending = 0;  // rows committed since the last draft (the next one injects them)
             // dflash_engine_step's order: the cap, plan, draft, cut, verify (greedy), observe
             for (int32_t j = 0; j < lens[t];) {
                 const int32_t left = lens[t] - j - 1;  // never draft past the token budget
@@ -429,8 +436,11 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 const int32_t k = n > 0 ? dflash_policy_choose(&p, c, n, n, expected) : 0;
                 const int32_t a = accepted[off + (size_t) j];
                 const int32_t got = k < a ? k : a;
-                const double td = dflash_policy_t_draft(&p, n), tv = dflash_policy_t_verify(&p, k + 1);
-                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, 0, tv, k + 1);
+                const int32_t injected = n > 0 ? pending : 0;
+                const double td = n > 0 ? dflash_policy_t_draft(&p, n) + injected * t_inject_row : 0.0;
+                const double tv = dflash_policy_t_verify(&p, k + 1);
+                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, injected, tv, k + 1);
+                pending = (n > 0 ? 0 : pending) + got + 1;
                 out->seconds += td + tv;
                 out->steps++;
                 out->plain_steps += adaptive && n == 0;

@@ -27,6 +27,8 @@ struct dflash_policy {
     int32_t skipped[DFLASH_POLICY_STATES];     // plain steps in this state since its last draft
     int32_t probe_every[DFLASH_POLICY_STATES]; // while drafts in this state do not pay: one in this many
     bool probing;                 // the last plan was such a probe
+    double t_probe;               // a probe's measured draft time, EMA: it first injects the rows of the plain
+                                  // stretch before it, which the draft curve (drafts within a streak) leaves out
     bool blind;                   // the last draft came without confidences (a draft source): a probe
                                   // verifies at least its first slot, or nothing would ever be learnt
     int32_t ep_state;             // the cold state (0, 1) whose draft opened the current streak, or -1

@@ -72,14 +72,16 @@ def save(engine, key: str) -> None:
 
 
 def replay(traces: Sequence[Sequence[tuple[int, Sequence[float] | None]]], t_verify: Sequence[float],
-           t_draft: Sequence[float], n_max: int, passes: int = 2, calibration: dict | None = None) -> dict:
+           t_draft: Sequence[float], n_max: int, passes: int = 2, calibration: dict | None = None,
+           t_inject_row: float = 0.0) -> dict:
     """The engine's adaptive steps replayed on dense traces (dflash_policy_replay): no model runs.
 
     traces: one list per generation, one (accepted, conf) pair per anchor position of its fixed
     output -- how many tokens of the drafter's n_max-token draft from there the output continues
     with, and that draft's per-slot confidences (n_max of them; None for a draft source without
     them, in every pair).  t_verify: seconds per verify batch of 1 .. n_max + 1 (or more) rows;
-    t_draft: per draft of 1 .. n tokens.  One policy state runs through the traces in order; the
+    t_draft: per draft of 1 .. n tokens; t_inject_row: what a draft pays per row committed since
+    the last one (it injects them first).  One policy state runs through the traces in order; the
     last of `passes` is reported: seconds (cost-model time of its steps), plain_seconds (plain
     steps over the same tokens), steps, plain_steps, made, drafted, accepted."""
     lens = [len(tr) for tr in traces]
@@ -105,7 +107,7 @@ def replay(traces: Sequence[Sequence[tuple[int, Sequence[float] | None]]], t_ver
     out = ffi.new("struct dflash_replay *")
     err = _native.err_buf()
     if lib.dflash_policy_replay(costs, cal, n_max, len(lens), ffi.new("int32_t[]", lens or [0]), acc, cf, passes,
-                                out, err, _native.ERR_LEN) != 0:
+                                float(t_inject_row), out, err, _native.ERR_LEN) != 0:
         raise DFlashError(_native.err_str(err))
     return {k: getattr(out, k) for k in ("seconds", "plain_seconds", "steps", "plain_steps", "made", "drafted",
                                           "accepted")}
