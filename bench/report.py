@@ -101,6 +101,51 @@ def core() -> list[str]:
             out.append(f"| {size} | " + " | ".join(cells) + " |")
         out += ["", "Upstream scatters the reduced logits back to all 49152 tokens and takes the top-K there; ours",
                 "takes it among the reduced rows and maps the K winners.", ""]
+    if "inloop" in r:
+        il = r["inloop"]
+        out += ["### A drafter step in the loop's shape", "",
+                f"`{il['command']}` → merged into `bench/results/core.json`, recorded {il['date']} "
+                f"(target SmolLM2-135M-Instruct {il['target_ftype'].upper()}): before every step the target verifies "
+                "n + 1 rows, as in the loop (its weights go through the caches and the drafter's are read cold), then "
+                "one feature row is injected and n tokens drafted; ours and upstream's graph take turns on the same "
+                "file. Median ms:", "",
+                "| drafter | n | ours ms | upstream ms | ours / upstream |", "|---|---|---|---|---|"]
+        names = {"v1_2l_full_vocab": "DFlash v1, 2 layers, the target's 49152-token head (f16 weights)",
+                 "shipped": "the shipped drafter (DFlash2, 8192-token head, q4_0)"}
+        for k, v in il["steps"].items():
+            name, n = k.rsplit("_n", 1)
+            out.append(f"| {names.get(name, name)} | {n} | {v['ours_ms']:.2f} | {v['upstream_ms']:.2f} | "
+                       f"{v['ours_over_upstream']:.2f} |")
+        out += ["", "Upstream's step here reads no logits (`return_logits=False`): its own loop would also sample them "
+                "on the host.", ""]
+    return out
+
+
+def quant() -> list[str]:
+    """quant.json: one drafter in several weight types, side by side in the loop."""
+    path = HERE / "quant.json"
+    if not path.is_file():
+        return []
+    r = _load("quant.json")
+    types = list(r["bytes"])
+    out = ["### Drafter weight types", "",
+           _source(r["command"], r["date"], "quant.json", f" ({r['threads']} threads, {r['wall_s']} s)"),
+           f"The first {r['problems']} HumanEval problems in the chat template, greedy, up to {r['tokens']} tokens; "
+           "the same drafter with its matrices re-encoded by `llama-dflash quantize` (norms, conv bases and codebooks "
+           "f32), every configuration on each prompt in turn. Decode tok/s against our plain loop in the same run.",
+           "", "| drafter | file MiB | configuration | tok/s | vs plain | τ | draft / verify ms per step | "
+           "acceptance per position |", "|---|---|---|---|---|---|---|---|"]
+    p = r["results"]["plain"]
+    out.append(f"| — | | plain | {p['tok_s']:.1f} | 1.000 | 1.00 | 0.00 / {p['verify_ms_per_step']:.2f} | |")
+    for t in types:
+        for key, v in r["results"].items():
+            if not key.startswith(t + " "):
+                continue
+            acc = ", ".join(f"{x:.2f}" for x in v["acceptance"][:7])
+            out.append(f"| {t} | {r['bytes'][t] / 2**20:.1f} | {key[len(t) + 1:]} | {v['tok_s']:.1f} | "
+                       f"{v['vs_plain']:.3f} | {v['tau']:.2f} | {v['draft_ms_per_step']:.2f} / "
+                       f"{v['verify_ms_per_step']:.2f} | {acc} |")
+    out.append("")
     return out
 
 
@@ -683,8 +728,8 @@ def render() -> str:
             "[cost-aware drafting](#cost-aware-drafting) · [concurrent requests](#concurrent-requests) · "
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
-    body = [*core(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *heldout(), *dropin(), *exact(),
-            *adaptive(), *concurrent(), *training_data()]
+    body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *heldout(),
+            *dropin(), *exact(), *adaptive(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
 
