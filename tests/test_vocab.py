@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from llama_dflash import DFlashError, SpeculativeGenerator
 from llama_dflash.core.drafter import Drafter
-from llama_dflash.formats.gguf import ARCH, read_tensors
-from llama_dflash.formats.vocab import _copy_fields, choose_vocab, reduce_vocab, token_counts
+from llama_dflash.formats.gguf import ARCH, copy_fields, read_tensors
+from llama_dflash.formats.vocab import choose_vocab, reduce_vocab, token_counts
 from llama_dflash.verify.reference import DFlashReference
 from llama_dflash.verify.upstream import UpstreamDrafter
 
@@ -174,7 +174,7 @@ def rewrite(src: str, out, d2t: np.ndarray | None, d2t_type=GGMLQuantizationType
     """A copy of a reduced drafter with its d2t / head replaced (for the error paths)."""
     r = GGUFReader(src)
     w = GGUFWriter(os.fspath(out), ARCH)
-    _copy_fields(r, w)
+    copy_fields(r, w)
     for t in r.tensors:
         if t.name == "d2t":
             if d2t is not None:

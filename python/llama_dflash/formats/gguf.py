@@ -34,20 +34,26 @@ _OUTTYPES = {
     "q4_0": GGMLQuantizationType.Q4_0,
 }
 OUTTYPES = tuple(_OUTTYPES)  # the types a drafter's matrices can be written in
+_SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
 
 
 def _field_value(f):
     return f.contents()
 
 
-def copy_tokenizer(src: GGUFReader, writer: GGUFWriter) -> None:
-    """Copy every tokenizer.* key of a target GGUF (the drafter shares its vocabulary)."""
+def copy_fields(src: GGUFReader, w: GGUFWriter, keep: Callable[[str], bool] | None = None) -> None:
+    """Copy the keys of a GGUF (those `keep` accepts; the writer sets the architecture and the counts)."""
     for name, f in src.fields.items():
-        if not name.startswith("tokenizer.") or name == "tokenizer.ggml.mask_token_id":
+        if name in _SKIP_KEYS or (keep is not None and not keep(name)):
             continue
         vtype = GGUFValueType(f.types[0])
         sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, _field_value(f), vtype, sub_type=sub)
+        w.add_key_value(name, _field_value(f), vtype, sub_type=sub)
+
+
+def copy_tokenizer(src: GGUFReader, writer: GGUFWriter) -> None:
+    """Copy every tokenizer.* key of a target GGUF (the drafter shares its vocabulary)."""
+    copy_fields(src, writer, lambda name: name.startswith("tokenizer.") and name != "tokenizer.ggml.mask_token_id")
 
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
@@ -165,17 +171,17 @@ def write_drafter(
     return len(srcs)
 
 
-_SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+def _shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch [out, in] order."""
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
 
 
-def copy_fields(src: GGUFReader, w: GGUFWriter) -> None:
-    """Copy every key of a drafter GGUF (the writer sets the architecture and the counts)."""
-    for name, f in src.fields.items():
-        if name in _SKIP_KEYS:
-            continue
-        vtype = GGUFValueType(f.types[0])
-        sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
-        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+def _is_ids(t) -> bool:
+    return t.tensor_type in (GGMLQuantizationType.I32, GGMLQuantizationType.I64)  # id maps (d2t)
+
+
+def _as_f32(t) -> np.ndarray:
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_shape(t))
 
 
 def quantize_drafter(src: str | os.PathLike, out: str | os.PathLike, outtype: str) -> dict:
@@ -197,24 +203,24 @@ def quantize_drafter(src: str | os.PathLike, out: str | os.PathLike, outtype: st
         raise ValueError(f"{src} is not a DFlash drafter GGUF")
     out = Path(out)
     tmp = out.with_name(out.name + ".part")
-    w = GGUFWriter(os.fspath(tmp), ARCH)
-    copy_fields(r, w)
     changed = 0
-    for t in r.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # PyTorch order
-        keep = t.tensor_type in (GGMLQuantizationType.I32, GGMLQuantizationType.I64)
-        qt = t.tensor_type if keep else tensor_type(t.name, shape, outtype)
-        if qt == t.tensor_type:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=qt)
-            continue
-        x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        w.add_tensor(t.name, _encode(x, qt), raw_dtype=qt)
-        changed += 1
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
+    try:
+        w = GGUFWriter(os.fspath(tmp), ARCH)
+        copy_fields(r, w)
+        for t in r.tensors:
+            qt = t.tensor_type if _is_ids(t) else tensor_type(t.name, _shape(t), outtype)
+            if qt == t.tensor_type:
+                w.add_tensor(t.name, np.asarray(t.data), raw_dtype=qt)
+                continue
+            w.add_tensor(t.name, _encode(_as_f32(t), qt), raw_dtype=qt)
+            changed += 1
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return {"path": str(out), "bytes": out.stat().st_size, "outtype": outtype, "tensors_changed": changed}
 
 
@@ -225,11 +231,7 @@ def read_tensors(path: str | os.PathLike, names: list[str] | None = None) -> dic
     for t in r.tensors:
         if names is not None and t.name not in names:
             continue
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        if t.tensor_type in (GGMLQuantizationType.I32, GGMLQuantizationType.I64):  # id maps (d2t) stay ids
-            out[t.name] = np.array(t.data, dtype=np.int64).reshape(shape)
-            continue
-        out[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        out[t.name] = np.array(t.data, dtype=np.int64).reshape(_shape(t)) if _is_ids(t) else _as_f32(t)
     return out
 
 
