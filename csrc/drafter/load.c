@@ -661,8 +661,10 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
         ggml_set_name(dst, ggml_get_name(m));                                              \
         n_repacked += r;                                                                   \
     }
-#define X(field, name, need, dtype, ...) \
-    if (strcmp(#field, "d2t") != 0) { DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && strcmp(#field, "tok_embd") != 0) }
+#define X(field, name, need, dtype, ...)                                                    \
+    if (strcmp(#field, "d2t") != 0) {                                                      \
+        DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && strcmp(#field, "tok_embd") != 0) \
+    }
     DFLASH_TOP_TENSORS(X)
 #undef X
     for (int il = 0; il < d->hp.n_layer; il++) {
@@ -671,6 +673,9 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
 #undef X
     }
 #undef DUP
+#undef DFLASH_MULTIPLIES_F32
+#undef DFLASH_MULTIPLIES_W
+#undef DFLASH_MULTIPLIES_I64
     if (ft->w.d2t) {
         // held as I32 (what get_rows takes as indices); read_weights converts the file's I64
         d->w.d2t = ggml_new_tensor_1d(d->ctx_w, GGML_TYPE_I32, d->hp.n_vocab_draft);
