@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
 
 from llama_dflash import SpeculativeGenerator
 from llama_dflash.api.cli import main
@@ -161,10 +162,20 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
     files = [p for p in (a / "data").rglob("*") if p.is_file()]
     before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--max-sequences", "6",
-                 "--json"]) == 0
+                 "--final-type", "q4_0", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["data"]["sequences"] == 6 and "data" not in s["wall_s"]  # (no generation stage)
     assert not (b / "data").exists() and (b / "index.npy").is_file() and (b / "drafter.gguf").is_file()
+    # --final-type: drafter.gguf is the converted, reduced drafter (kept as drafter-f16.gguf) re-encoded
+    types = {t.name: t.tensor_type for t in GGUFReader(str(b / "drafter.gguf")).tensors}
+    before_q = {t.name: t.tensor_type for t in GGUFReader(str(b / "drafter-f16.gguf")).tensors}
+    assert s["gguf"]["final_type"] == "q4_0" and "quantize" in s["wall_s"] and types.keys() == before_q.keys()
+    assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q4_0 == types["output.weight"]
+    assert before_q["blk.0.attn_q.weight"] == GGMLQuantizationType.F16
+    with SpeculativeGenerator(target, b / "drafter.gguf", n_ctx=256) as g:
+        toks = g.tokenize(chatml("Write a Python function that reverses a list."))
+        assert g.generate(toks, 16, draft_len=7, stop_on_eos=False).tokens == \
+            g.generate(toks, 16, draft_len=0, stop_on_eos=False).tokens
     assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before  # a's data untouched
     assert sorted(p for p in (a / "data").rglob("*") if p.is_file()) == sorted(files)
     fa, fb = Dataset(a / "data"), run_dataset(b)
@@ -216,7 +227,8 @@ def test_bad_settings_are_refused_before_any_data(artifacts, tmp_path, capsys):
                     (dict(mask_token_id=5000), "mask token 5000 lies outside the target vocabulary"),
                     (dict(distill=0.5, top_k=0), "top_k must be >= 1"),
                     (dict(prompt_sources=["stdlib-code", "web"]), "unknown prompt source 'web'"),
-                    (dict(feature_format="q4"), "feature_format must be q8 or f16")]:
+                    (dict(feature_format="q4"), "feature_format must be q8 or f16"),
+                    (dict(final_type="q3_k"), "got 'f16' / 'q3_k'")]:
         spec = RunSpec.smoke(target)
         for k, v in kw.items():
             setattr(spec, k, v)

@@ -253,8 +253,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         a.target = str(default_target())
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
-              "block_size", "outtype", "seed", "draft_vocab", "tune_steps", "init", "feature_format", "top_k",
-              "distill", "prompt_sources", "data"):
+              "block_size", "outtype", "final_type", "seed", "draft_vocab", "tune_steps", "init", "feature_format",
+              "top_k", "distill", "prompt_sources", "data"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -269,7 +269,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(json.dumps(s))
         return 0
     last = (s["held_out"].get("tune") or s["held_out"].get("v2") or [{}])[-1]
-    print(f"wrote {s['gguf']['path']} ({s['gguf']['bytes'] / 2**20:.1f} MiB, {s['gguf']['outtype']}); "
+    print(f"wrote {s['gguf']['path']} ({s['gguf']['bytes'] / 2**20:.1f} MiB, {s['gguf']['final_type']}); "
           f"data {s['data']['sequences']} sequences / {s['data']['response_tokens']} response tokens; "
           f"held-out block tau {last.get('block_tau')}, path tau {last.get('path_tau')}; "
           f"wall {sum(s['wall_s'].values()):.0f} s")
@@ -502,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--v2-steps", type=_int(-_I32), default=None)
     t.add_argument("--n-layer", type=_int(-_I32), default=None)
     t.add_argument("--block-size", type=_int(-_I32), default=None)
-    t.add_argument("--outtype", default=None, choices=OUTTYPES)
+    t.add_argument("--outtype", default=None, choices=OUTTYPES, help="the converter's matrix type (default q8_0)")
+    t.add_argument("--final-type", default=None, choices=OUTTYPES,
+                   help="drafter.gguf's matrices, re-encoded after the vocabulary stage (default q4_0: the CPU "
+                        "repacks it for its multi-row kernels)")
     t.add_argument("--seed", type=_int(-_I32), default=None)
     t.add_argument("--draft-vocab", type=_int(-_I32), default=None,
                    help="keep the N most frequent tokens in the drafter's own head (default 8192; 0 = all)")

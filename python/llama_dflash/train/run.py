@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..formats.gguf import DrafterConfig, read_tensors
+from ..formats.gguf import OUTTYPES, DrafterConfig, quantize_drafter, read_tensors
 from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_target, write_speculators
 from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
@@ -63,7 +63,9 @@ class RunSpec:
     conv_group_size: int = 16
     eval_every: int = 250
     ckpt_every: int = 50
-    outtype: str = "q8_0"
+    outtype: str = "q8_0"               # the converter's matrix type (drafter-fullvocab.gguf)
+    final_type: str = "q4_0"            # drafter.gguf's matrices, re-encoded by llama-dflash quantize after the
+                                        # vocabulary stage ("" = outtype): q4_0 is what the CPU repacks
     whiten_features: bool = True        # train fc on standardised features (folded into fc on export)
     seed: int = 0
     draft_vocab: int = 8192             # reduced draft vocabulary: the most frequent tokens of the training
@@ -84,7 +86,7 @@ class RunSpec:
         """Tiny data and a few steps, end to end through export and conversion (tests)."""
         return cls(target=target, prompts=6, max_sequences=0, max_new=24, n_seq=4, v1_steps=6, v2_steps=6,
                    seqs_per_step=2, anchors_per_seq=8, eval_every=3, ckpt_every=2, selector_rank=16,
-                   selector_top_k=4, outtype="f16", draft_vocab=256, tune_steps=6)
+                   selector_top_k=4, outtype="f16", final_type="", draft_vocab=256, tune_steps=6)
 
 
 def _target_config(target: str) -> dict:
@@ -127,6 +129,9 @@ def check_spec(spec: RunSpec, t: dict) -> None:
     check_sources(spec.prompt_sources or ())
     if spec.distill and not spec.top_k:
         raise ValueError("distillation (distill > 0) trains on the target top-k log-probabilities: top_k must be >= 1")
+    if spec.outtype not in OUTTYPES or spec.final_type not in ("", *OUTTYPES):
+        raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)} (final_type also ''), "
+                         f"got {spec.outtype!r} / {spec.final_type!r}")
     if spec.feature_format not in FORMATS:
         raise ValueError(f"feature_format must be {' or '.join(FORMATS)}, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
@@ -382,11 +387,17 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     hf_dir = stage("export", lambda: export_hf(model, tinfo, out / "hf"))
     stage("speculators", lambda: write_speculators(hf_dir, spec.target, out / "speculators"))  # vLLM's schema
     gguf = out / "drafter.gguf"
-    full = out / "drafter-fullvocab.gguf" if reduce else gguf
+    requant = spec.final_type not in ("", spec.outtype)
+    before = out / f"drafter-{spec.outtype}.gguf" if requant else gguf  # the drafter before re-encoding
+    full = out / "drafter-fullvocab.gguf" if reduce else before
     conv = stage("convert", lambda: convert_hf_to_gguf(hf_dir, spec.target, full, outtype=spec.outtype))
-    summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype, "draft_vocab": None}
+    summary["gguf"] = {"path": str(gguf), "bytes": conv["bytes"], "outtype": spec.outtype, "draft_vocab": None,
+                       "final_type": spec.final_type or spec.outtype}
     if reduce:
-        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, keep, spec.target, full, gguf)))
+        summary["gguf"].update(stage("vocab", lambda: _reduce(ds, keep, spec.target, full, before)))
+    if requant:
+        q = stage("quantize", lambda: quantize_drafter(before, gguf, spec.final_type))
+        summary["gguf"].update(bytes=q["bytes"], before_final_type=str(before))
     summary_path.write_text(json.dumps(summary, indent=1))
     say(f"done: {gguf} ({summary['gguf']['bytes'] / 2**20:.1f} MiB); wall times {walls}")
     logf.close()
