@@ -140,20 +140,53 @@ def causal_time(tr: list[dict], cal: np.ndarray, tv: list[float], td: list[float
     return t
 
 
-def replay_time(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int) -> float:
+def replay_time(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int,
+                t_inject_row: float = 0.0) -> float:
     """Cost-model time of the engine's own adaptive steps on the traces (core.policy.replay: one
-    policy state throughout, a warm-up pass over them first)."""
-    r = policy.replay([[(x["a"], x["conf"]) for x in tr] for tr in traces], tv, td[1:], n_max, passes=2)
+    policy state throughout, a warm-up pass over them first; each draft also pays t_inject_row per
+    row committed since the last one, as the engine's drafts inject them first)."""
+    r = policy.replay([[(x["a"], x["conf"]) for x in tr] for tr in traces], tv, td[1:], n_max, passes=2,
+                      t_inject_row=t_inject_row)
     return r["seconds"]
 
 
-def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int) -> dict:
+def inject_cost(drafter: str, rows: int = 64, reps: int = 12) -> float:
+    """Seconds a draft pays per queued feature row: a draft after `rows` rows against one after a
+    single row, each right after a target decode (as in the loop: the drafter's weights read cold)."""
+    import statistics
+
+    import llama_cpp
+
+    from llama_dflash.core.drafter import Drafter
+
+    llm = llama_cpp.Llama(str(default_target()), n_ctx=2048, n_threads=2, verbose=False)
+    d = Drafter(drafter, llm.model, n_ctx=4096, n_threads=2)
+    feats = np.random.default_rng(0).standard_normal((512, d.info.n_taps * d.info.n_embd)).astype(np.float32)
+    t = {1: [], rows: []}
+    for i in range(reps):
+        for m in (1, rows):
+            d.reset()
+            d.push(feats[:256])
+            d.draft(100, 3)
+            if llm.n_tokens > 1900:
+                llm.reset()
+            llm.eval([100 + i % 50])
+            t0 = time.perf_counter()
+            d.push(feats[256:256 + m])
+            d.draft(100, 3)
+            t[m].append(time.perf_counter() - t0)
+    d.close()
+    return max(0.0, (statistics.median(t[rows]) - statistics.median(t[1])) / (rows - 1))
+
+
+def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: int,
+             t_inject_row: float = 0.0) -> dict:
     cal = calibration(traces, n_max)
     plain = sum(len(tr) for tr in traces) * tv[0]
     walk = [[{"a": x["a"], "conf": x["walk"]} for x in tr] for tr in traces]
     res = {"oracle": plain / sum(oracle_time(tr, tv, td) for tr in traces),
-           "engine_replay": plain / replay_time(traces, tv, td, n_max),
-           "engine_replay_walk_conf": plain / replay_time(walk, tv, td, n_max)}
+           "engine_replay": plain / replay_time(traces, tv, td, n_max, t_inject_row),
+           "engine_replay_walk_conf": plain / replay_time(walk, tv, td, n_max, t_inject_row)}
     for free in (False, True):
         tdx = [0.0] * len(td) if free else td
         rows = {}
@@ -210,6 +243,7 @@ def collect(a) -> dict:
     cm = g.cost_model()
     res["cost_model_ms"] = {k: [round(1e3 * x, 4) for x in cm[k]] for k in ("t_verify", "t_draft")}
     g.close()
+    res["inject_ms_per_row"] = round(1e3 * inject_cost(drafter), 5)
     return res
 
 
@@ -220,7 +254,7 @@ def analyse(res: dict) -> None:
     for name, s in res["sets"].items():
         m, traces = s["measured"], res["traces"][name]
         plain_rate, auto_rate = m["plain"][0] / m["plain"][1], m["auto"][0] / m["auto"][1]
-        pol = policies(traces, tv, td, res["n_max"])
+        pol = policies(traces, tv, td, res["n_max"], res.get("inject_ms_per_row", 0.0) / 1e3)
         s["summary"] = sm = {
             "positions": sum(len(tr) for tr in traces),
             "mean_accepted": round(float(np.mean([x["a"] for tr in traces for x in tr])), 3),
@@ -248,6 +282,9 @@ def main() -> None:
     ap.add_argument("--drafter", default="", help="a DFlash2 drafter GGUF (default: the shipped one)")
     ap.add_argument("--traces", default="", help="the run's traces and measurements: written there, or, when the "
                     "file exists, read back and analysed again (e.g. after a policy change) without running anything")
+    ap.add_argument("--inject-ms-per-row", type=float, default=None,
+                    help="with --traces read back: the injection cost per queued row to replay with (a new run "
+                         "measures it)")
     ap.add_argument("--out", default="bench/results/policy.json")
     a = ap.parse_args()
     temps = a.temps.split(",")
@@ -258,6 +295,8 @@ def main() -> None:
     if tf and tf.is_file():
         res = json.loads(tf.read_text())
         res["analysed"] = f"python3 {' '.join(sys.argv)} at {datetime.datetime.now().isoformat(timespec='seconds')}"
+        if a.inject_ms_per_row is not None:
+            res["inject_ms_per_row"] = a.inject_ms_per_row
     else:
         res = collect(a)
         if tf:

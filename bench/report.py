@@ -685,6 +685,12 @@ def policy_reach() -> list[str]:
     out += ["", "Cost model of the run (ms): verify batches of 1 … n rows "
             f"{[round(x, 2) for x in cm['t_verify']]}, drafts of 1 … n tokens {[round(x, 2) for x in cm['t_draft']]}.",
             ""]
+    if r.get("inject_ms_per_row"):
+        out += [f"The engine's replays also price what a draft pays first: injecting the feature rows committed "
+                f"since the last draft, {r['inject_ms_per_row']:.4f} ms a row (`bench_policy.inject_cost`: a draft "
+                "after 64 queued rows against one after one row, each right after a target decode"
+                + (f"; analysed as `{r['analysed'].split(' at ')[0]}`" if r.get("analysed") else "")
+                + "). The oracle and the causal family leave it out.", ""]
     return out
 
 
