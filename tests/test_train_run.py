@@ -184,8 +184,7 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
         np.testing.assert_array_equal(fb.sequence(i)[0], fa.sequence(i)[0])
         np.testing.assert_array_equal(fb.sequence(i)[1], fa.sequence(i)[1])
     for extra, msg in [(["--max-new", "12"], "made with other settings (max_new=24)"),
-                       (["--prompts", "10"], "8 of the 20 sequences this run trains on are not there yet"),
-                       (["--init", str(a)], "init and data are exclusive")]:
+                       (["--prompts", "10"], "8 of the 20 sequences this run trains on are not there yet")]:
         assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--data", str(a),
                      *extra]) == 2
         err = capsys.readouterr().err
@@ -194,6 +193,64 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
                  str(tmp_path / "nowhere")]) == 2
     assert "not a training run directory" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("*.pt"))
+
+
+def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
+    """`--init DRAFTER.gguf`: a drafter file (the shipped one, a converted one) as the starting point:
+    dequantized, its feature scale unfolded with this run's (the same function), its draft vocabulary
+    kept, only the tuning stage trained (here on another run's data, --data); a file that is not the
+    drafter this run would train is refused in one line, before any data is made."""
+    from llama_dflash.formats.gguf import read_tensors
+    from llama_dflash.train.run import RunSpec, _init_source, _target_config
+
+    target = artifacts["llama"]["target"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    capsys.readouterr()
+    src = a / "drafter.gguf"  # f16 matrices (smoke), a 256-token draft vocabulary
+    assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--init", str(src),
+                 "--tune-steps", "4", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert set(s["held_out"]) == {"tune"} and [h["step"] for h in s["held_out"]["tune"]] == [3, 4]
+    assert s["init"]["stage"] == "gguf" and s["init"]["drafter"] == str(src.resolve())
+    assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
+
+    def d2t(p):
+        return next(np.array(t.data) for t in GGUFReader(str(p)).tensors if t.name == "d2t")
+
+    np.testing.assert_array_equal(d2t(b / "drafter.gguf"), d2t(src))  # the file's vocabulary, not re-chosen
+    # the start computes a's tuned function: a's checkpoint (its own feature scale) against the file's
+    # weights unfolded with another scale, on the same features and blocks
+    ta = torch.load(a / "ckpt-tune.pt", weights_only=False)["model"]
+    spec = RunSpec.smoke(target)
+    spec.init, spec.taps = str(src), json.loads((a / "summary.json").read_text())["spec"]["taps"]
+    _, state = _init_source(spec, _target_config(target))
+    scale = ta["feature_scale"] * torch.linspace(0.5, 2.0, ta["feature_scale"].numel())
+    ma, mb = DFlashReference.from_gguf(src), DFlashReference.from_gguf(src)
+    for m in (ma, mb):
+        T.whiten_features(m, np.ones((2, m.fc.in_features)))
+    ma.load_state_dict(ta)
+    mb.load_state_dict(T.with_feature_scale(state, scale))
+    assert torch.equal(mb.feature_scale, scale) and not torch.equal(mb.fc.weight, ma.fc.weight)
+    ds = Dataset(a / "data")
+    toks, feats, _ = ds.sequence(0)
+    feats, toks = torch.as_tensor(np.asarray(feats, np.float32)), torch.as_tensor(np.asarray(toks, np.int64))
+    embed = torch.as_tensor(np.array(read_tensors(target, ["token_embd.weight"])["token_embd.weight"]))
+    anchors = torch.arange(1, len(toks) - 8, 3)
+    ha, hb = (T.block_hidden(m, feats, toks, anchors, embed) for m in (ma, mb))
+    torch.testing.assert_close(hb, ha, atol=2e-2, rtol=2e-2)  # f16 matrices in the file
+    # refused in one line: another shape, another draft vocabulary size, not a drafter
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    for extra, msg in [(["--block-size", "4"], "not the drafter this run trains for this target (block_size=8"),
+                       (["--draft-vocab", "128"], "its draft vocabulary has 256 tokens (draft_vocab 128)"),
+                       (["--init", str(bad)], f"init {bad}:"),
+                       (["--init", str(tmp_path / "no.gguf")], "no.gguf")]:
+        args = ["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), "--init", str(src), *extra]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists()
 
 
 def test_train_cli_errors(artifacts, tmp_path, capsys):

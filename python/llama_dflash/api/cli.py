@@ -521,8 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt-sources", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
                    metavar="A,B", help="prompt sources (stdlib-code, authored, package-code, raw-code; default "
                                        "stdlib-code,authored; docs/training-data.md)")
-    t.add_argument("--init", default=None, metavar="RUN_DIR",
-                   help="start from a finished run's final weights (same drafter shape and target) and train "
+    t.add_argument("--init", default=None, metavar="RUN_DIR|DRAFTER.gguf",
+                   help="start from a finished run's final weights, or from a DFlash2 drafter file (e.g. the "
+                        "shipped one; same drafter shape and target; its draft vocabulary is kept), and train "
                         "only the tuning stage on this run's data")
     t.add_argument("--data", default=None, metavar="RUN_DIR",
                    help="train on another run's finished data (read only; no generation): e.g. several "

@@ -421,6 +421,15 @@ def exported_state(model: DFlashReference) -> dict[str, torch.Tensor]:
     return st
 
 
+def with_feature_scale(state: dict[str, torch.Tensor], scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A state for a model that trains on scaled features: ``exported_state``'s inverse for an
+    exported (folded) state, which has no scale of its own, so it computes the same function.  A
+    state with its own scale (a checkpoint), or a model without one, takes the state as it is."""
+    if scale is None or "feature_scale" in state:
+        return state
+    return {**state, "fc.weight": state["fc.weight"] / scale[None, :], "feature_scale": scale.clone()}
+
+
 def export_gguf(model: DFlashReference, path: str | os.PathLike, target_gguf: str | os.PathLike,
                 outtype: str = "f32") -> None:
     """Write the trained drafter in upstream's GGUF layout (names through the converter's map)."""

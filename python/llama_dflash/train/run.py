@@ -32,7 +32,7 @@ from ..formats.hf import convert_hf_to_gguf, default_target_layer_ids, read_targ
 from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses, index_shared, top_k_coverage
-from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features
+from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features, with_feature_scale
 from .prompts import DEFAULT_SOURCES, check_sources, training_prompts
 from .store import FORMATS
 
@@ -76,8 +76,9 @@ class RunSpec:
     top_k: int = 32                     # the target's top-k log-probabilities kept per position (0 = none)
     distill: float = 0.0                # weight of the loss against those (1 - distill: the sampled token's)
     prompt_sources: list[str] | None = None  # train/prompts.py SOURCES (None: DEFAULT_SOURCES)
-    init: str = ""                      # a finished run directory of the same drafter shape: start from its
-                                        # final weights and train only the tuning stage on this run's data
+    init: str = ""                      # a finished run directory, or a DFlash2 drafter GGUF, of the same drafter
+                                        # shape: start from its final weights and train only the tuning stage
+                                        # on this run's data (a GGUF's draft vocabulary is kept)
     data: str = ""                      # another run directory whose finished data to train on (read only, no
                                         # generation): e.g. several max_sequences samples of one data set
 
@@ -136,8 +137,6 @@ def check_spec(spec: RunSpec, t: dict) -> None:
         raise ValueError(f"feature_format must be {' or '.join(FORMATS)}, got {spec.feature_format!r}")
     if spec.init and spec.tune_steps < 1:
         raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
-    if spec.init and spec.data:
-        raise ValueError("init and data are exclusive: a run starts from another's weights, or trains on its data")
 
 
 # settings that fix what a data directory holds: a run that trains on another's data (data) must share them
@@ -173,12 +172,15 @@ _SHAPE = ("taps", "n_layer", "block_size", "mask_token_id", "n_ff", "selector_ra
           "conv_kernel_size", "conv_group_size", "whiten_features")
 
 
-def _init_source(spec: RunSpec) -> tuple[dict, dict]:
+def _init_source(spec: RunSpec, t: dict) -> tuple[dict, dict]:
     """The finished run `spec.init` (what the summary records of it) and its final weights,
-    checked to be this drafter shape for the same target before any data is made."""
+    checked to be this drafter shape for the same target before any data is made; or a drafter
+    GGUF (`_init_gguf`)."""
     from .data import DataSpec, _capture_id
 
     src = Path(spec.init)
+    if src.suffix == ".gguf" or src.is_file():
+        return _init_gguf(spec, src, t)
     prev, pspec = _other_run(src, "init", spec)
     if "gguf" not in prev:
         raise ValueError(f"init {src}: that run has not finished (no drafter written yet)")
@@ -197,6 +199,37 @@ def _init_source(spec: RunSpec) -> tuple[dict, dict]:
     info = {"run": str(src.resolve()), "stage": stage, "steps": steps, "held_out_there": held,
             "data": prev.get("data", {}), "wall_s": prev.get("wall_s", {}),
             "reuse_data": str((src / "data").resolve()) if same_data else None}
+    return info, state
+
+
+def _init_gguf(spec: RunSpec, src: Path, t: dict) -> tuple[dict, dict]:
+    """A drafter file as the starting point: a shipped or converted DFlash2 drafter (dequantized;
+    its feature scale is folded into fc, ``run`` unfolds it with this run's).  It must be the
+    drafter this spec would train for this target; a reduced one keeps its draft vocabulary (its
+    selector rows outside it were never trained)."""
+    from ..formats.check import check_drafter
+
+    try:
+        have = check_drafter(src)  # the loader's own checks: a missing or corrupt file ends here
+    except Exception as e:
+        raise ValueError(f"init {src}: {e}") from None
+    if not have.is_v2:
+        raise ValueError(f"init {src}: a DFlash v1 drafter; the tuning stage trains DFlash2 (start from a DFlash2 "
+                         "drafter or a run directory)")
+    want = asdict(drafter_config(spec, 2, t))
+    other = [k for k, v in asdict(have).items() if k != "n_vocab_draft" and v != want[k]]
+    if other:
+        theirs = ", ".join(f"{k}={getattr(have, k)}" for k in other)
+        raise ValueError(f"init {src}: not the drafter this run trains for this target ({theirs}; "
+                         f"this run: {', '.join(f'{k}={want[k]}' for k in other)})")
+    reduced = 0 < have.n_vocab_draft < have.n_vocab
+    if reduced and have.n_vocab_draft != spec.draft_vocab:
+        raise ValueError(f"init {src}: its draft vocabulary has {have.n_vocab_draft} tokens (draft_vocab "
+                         f"{spec.draft_vocab})")
+    model = DFlashReference.from_gguf(src)
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    info = {"drafter": str(src.resolve()), "bytes": src.stat().st_size, "stage": "gguf", "steps": 0,
+            "reuse_data": None, "draft_vocab": model.d2t.numpy() if reduced else None}
     return info, state
 
 
@@ -280,7 +313,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     if spec.taps is None:
         spec.taps = default_target_layer_ids(tinfo["n_layer"], 5)
     check_spec(spec, tinfo)
-    init, init_state = _init_source(spec) if spec.init else (None, None)
+    init, init_state = _init_source(spec, tinfo) if spec.init else (None, None)
+    init_vocab = init.pop("draft_vocab", None) if init else None
     shared = _data_source(spec) if spec.data else None
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
@@ -313,7 +347,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
                      feature_format=spec.feature_format, top_k=spec.top_k)
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None,
                                sources=spec.prompt_sources or DEFAULT_SOURCES)
-    reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] else []
+    reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] and not shared else []
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
@@ -344,7 +378,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     head = torch.from_numpy(np.array(t["output.weight"])) if "output.weight" in t else embed
 
     reduce = 0 < spec.draft_vocab < tinfo["n_vocab"]
-    keep = _draft_vocab(ds, spec, tinfo["n_vocab"]) if reduce else None
+    keep = (init_vocab if init_vocab is not None else _draft_vocab(ds, spec, tinfo["n_vocab"])) if reduce else None
     results = summary.setdefault("held_out", {})
     states = {}
     feature_sample = _feature_sample(ds) if spec.whiten_features else None
@@ -365,7 +399,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         elif name == "v2":
             _init_v2_from_v1(model, states["v1"], spec.seed)
         else:
-            model.load_state_dict(states["v2"])
+            model.load_state_dict(with_feature_scale(states["v2"], getattr(model, "feature_scale", None)))
         vocab = torch.as_tensor(keep) if keep is not None else None  # every stage scores in the draft vocabulary
         tc = TrainConfig(steps=steps, lr=lr, seqs_per_step=spec.seqs_per_step, anchors_per_seq=spec.anchors_per_seq,
                          seed=seed, eval_every=spec.eval_every, ckpt_every=spec.ckpt_every, distill=spec.distill)
