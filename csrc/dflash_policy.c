@@ -365,6 +365,11 @@ void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash
     }
 }
 
+// A draft of n tokens on the given curve (none given: a draft source whose calls cost nothing here).
+static double draft_time(const struct dflash_costs * c, int32_t n) {
+    return c->n_draft >= 1 ? curve(c->t_draft, c->n_draft, n) : 0.0;
+}
+
 int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
                              int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
                              int32_t passes, double t_inject_row, struct dflash_replay * out, char * err,
@@ -440,8 +445,11 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 const int32_t a = accepted[off + (size_t) j];
                 const int32_t got = k < a ? k : a;
                 const int32_t injected = n > 0 ? pending : 0;
-                const double td = n > 0 ? dflash_policy_t_draft(&p, n) + injected * t_inject_row : 0.0;
-                const double tv = dflash_policy_t_verify(&p, k + 1);
+                // the machine's times are the given curves; the policy's model learns from them (timing
+                // with its own, which moves towards what it observes, would feed the injection back
+                // into the draft curve step after step)
+                const double td = n > 0 ? draft_time(costs, n) + injected * t_inject_row : 0.0;
+                const double tv = curve(costs->t_verify, costs->n_rows, k + 1);
                 dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, injected, tv, k + 1);
                 pending = (n > 0 ? 0 : pending) + got + 1;
                 out->seconds += td + tv;
