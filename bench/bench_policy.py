@@ -176,6 +176,7 @@ def inject_cost(drafter: str, rows: int = 64, reps: int = 12) -> float:
             d.draft(100, 3)
             t[m].append(time.perf_counter() - t0)
     d.close()
+    llm.close()
     return max(0.0, (statistics.median(t[rows]) - statistics.median(t[1])) / (rows - 1))
 
 
