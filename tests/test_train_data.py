@@ -370,3 +370,23 @@ def test_too_little_disk_is_a_clear_error(artifacts, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="GiB free"):
         build_features(tmp_path, spec, log=lambda m: None)
     assert os.path.getsize(tmp_path / "rows" / "feat.q8") == 0
+
+
+def test_another_runs_data_without_the_prompts_too_long_to_generate(artifacts, tmp_path):
+    """Generation skips a prompt longer than max_prompt; a run training on that data (index_shared,
+    `--data`) asks for the same responses, not for the skipped prompt's too (which would never come:
+    "7 of the 3750 sequences ... are not there yet" on a finished data set)."""
+    from llama_dflash.train.data import Tokenizer, index_shared, prompt_ids
+
+    prompts = training_prompts(limit=4)
+    target = artifacts["llama"]["target"]
+    with Tokenizer(target) as tok:
+        lens = [len(prompt_ids(tok, p)) for p in prompts]
+    spec = DataSpec(target=target, taps=[0, 2], max_new=8, n_seq=4, sampled_every=2, max_prompt=max(lens) - 1)
+    d = tmp_path / "d"
+    generate_responses(d, spec, prompts, log=lambda m: None)
+    fit = [i for i, n in enumerate(lens) if n < max(lens)]
+    n_want = len(fit) + sum(1 for i in fit if i % 2 == 0)  # greedy each, sampled every 2nd
+    assert len((d / "responses.jsonl").read_text().splitlines()) == n_want < 6
+    index_shared(d, spec, prompts, tmp_path / "index.npy", log=lambda m: None)
+    assert len(np.load(tmp_path / "index.npy")) == n_want

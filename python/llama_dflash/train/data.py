@@ -90,7 +90,7 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
     with Tokenizer(spec.target) as tok:  # released before the generator loads the model
         for i, p in enumerate(prompts):
             ids = prompt_ids(tok, p)
-            if len(ids) > spec.max_prompt:
+            if not fits(spec, ids):
                 continue
             for t, k in _runs(spec, i):
                 if (p.key, t, k) in done:
@@ -175,6 +175,11 @@ def _runs(spec: DataSpec, i: int) -> list[tuple[float, int]]:
 def wanted(spec: DataSpec, prompts: Sequence[Prompt]) -> set[tuple[str, float, int]]:
     """The identities (prompt key, temperature, sample) of the responses the spec asks for."""
     return {(p.key, t, k) for i, p in enumerate(prompts) for t, k in _runs(spec, i)}
+
+
+def fits(spec: DataSpec, ids: Sequence[int]) -> bool:
+    """Whether a prompt of these tokens gets responses (longer ones are skipped)."""
+    return len(ids) <= spec.max_prompt
 
 
 def _rid(r: dict) -> tuple[str, float, int]:
@@ -362,6 +367,8 @@ def index_shared(data: Path, spec: DataSpec, prompts: Sequence[Prompt], index_pa
             or store.top_k != spec.top_k:
         raise ValueError(f"data {data}: its rows were captured with other settings (target, taps, format or top-k)")
     recs = _training_set(data, spec, prompts)
+    with Tokenizer(spec.target) as tok:  # (generation skipped the prompts that do not fit)
+        prompts = [p for p in prompts if fits(spec, prompt_ids(tok, p))]
     want = len(wanted(spec, prompts))
     if spec.max_sequences:
         want = min(want, spec.max_sequences)

@@ -128,8 +128,9 @@ def block_losses(model: DFlashReference, tokens: torch.Tensor, features: torch.T
     out = {"ce": ce, "hit": logits.detach().argmax(-1) == labels}
     if soft is not None:
         rows = anchors[:, None] + torch.arange(0, B - 1)[None, :]              # position predicting slot k
-        sid = torch.as_tensor(np.asarray(soft[0]), dtype=torch.long)[rows]     # [A, B-1, k] target ids
-        p = torch.as_tensor(np.asarray(soft[1]), dtype=torch.float32)[rows].exp()
+        # (converted copies: the store's read-only memory maps are not handed to torch)
+        sid = torch.from_numpy(np.asarray(soft[0], dtype=np.int64))[rows]      # [A, B-1, k] target ids
+        p = torch.from_numpy(np.asarray(soft[1], dtype=np.float32))[rows].exp()
         valid = sid >= 0
         if vocab is not None:
             sid = torch.where(valid, t2d[sid.clamp_min(0)], -1)
