@@ -378,9 +378,9 @@ def test_another_runs_data_without_the_prompts_too_long_to_generate(artifacts, t
     "7 of the 3750 sequences ... are not there yet" on a finished data set)."""
     from llama_dflash.train.data import Tokenizer, index_shared, prompt_ids
 
-    prompts = training_prompts(limit=4)
     target = artifacts["llama"]["target"]
-    with Tokenizer(target) as tok:
+    with Tokenizer(target) as tok:  # the longest first: a sampled response belongs to a prompt by its place
+        prompts = sorted(training_prompts(limit=4), key=lambda p: -len(prompt_ids(tok, p)))
         lens = [len(prompt_ids(tok, p)) for p in prompts]
     spec = DataSpec(target=target, taps=[0, 2], max_new=8, n_seq=4, sampled_every=2, max_prompt=max(lens) - 1)
     d = tmp_path / "d"

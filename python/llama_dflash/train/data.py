@@ -368,8 +368,8 @@ def index_shared(data: Path, spec: DataSpec, prompts: Sequence[Prompt], index_pa
         raise ValueError(f"data {data}: its rows were captured with other settings (target, taps, format or top-k)")
     recs = _training_set(data, spec, prompts)
     with Tokenizer(spec.target) as tok:  # (generation skipped the prompts that do not fit)
-        prompts = [p for p in prompts if fits(spec, prompt_ids(tok, p))]
-    want = len(wanted(spec, prompts))
+        fit = {p.key for p in prompts if fits(spec, prompt_ids(tok, p))}
+    want = sum(1 for w in wanted(spec, prompts) if w[0] in fit)  # (a prompt's runs follow its place in `prompts`)
     if spec.max_sequences:
         want = min(want, spec.max_sequences)
     lacking = sum(1 for r in recs if _rid(r) not in store.refs) + max(0, want - len(recs))
