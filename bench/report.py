@@ -294,6 +294,26 @@ def previous_drafter() -> list[str]:
     return out + [""]
 
 
+def drafters() -> list[str]:
+    """drafters.json: two drafters on the same held-out HumanEval prompts, chat and raw completion."""
+    if not (HERE / "drafters.json").is_file():
+        return []
+    r = _load("drafters.json")
+    out = ["### Two drafters on HumanEval, chat and raw completion", "",
+           _source(r["command"], r["date"], "drafters.json"),
+           f"The first {r['problems']} HumanEval problems, greedy, up to {r['tokens']} tokens, in the chat template "
+           "and as raw completion prompts (signature and docstring, tokenized as `create_completion` does); both "
+           f"drafters on each prompt in turn. a = `{r['a']}`, b = `{r['b']}`. τ at T = 0 does not depend on the "
+           "machine's speed; tok/s are comparable within the run only.", "",
+           "| drafter | prompts | configuration | τ | tok/s | acceptance per position |", "|---|---|---|---|---|---|"]
+    for key, v in r["rows"].items():
+        who, fmt, conf = key.split("/")
+        acc = ", ".join(f"{x:.2f}" for x in v["acceptance"] if x is not None)
+        out.append(f"| {who} | {fmt} | {conf} | {v['tau']:.2f} | {v['tok_s']:.1f} | {acc} |")
+    out.append("")
+    return out
+
+
 def heldout() -> list[str]:
     d = _load("heldout.json")
     out = ["### Held-out metrics of the training runs", "",
@@ -734,7 +754,7 @@ def render() -> str:
             "[cost-aware drafting](#cost-aware-drafting) · [concurrent requests](#concurrent-requests) · "
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
-    body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *heldout(),
+    body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *drafters(), *heldout(),
             *dropin(), *exact(), *adaptive(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
