@@ -100,6 +100,11 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["gguf"]["draft_vocab"] == 256 and (out / "drafter.gguf").is_file()
 
 
+def _d2t(path) -> np.ndarray:
+    """A drafter file's draft vocabulary (its d2t map)."""
+    return next(np.array(t.data) for t in GGUFReader(str(path)).tensors if t.name == "d2t")
+
+
 def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     """`--init RUN`: the earlier run's final weights replace v1 and v2 and only the tuning stage
     trains, on this run's (larger) data; incompatible or unfinished runs are refused in one line."""
@@ -131,6 +136,9 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     tb = torch.load(b / "ckpt-tune.pt", weights_only=False)["model"]
     assert torch.equal(ta["feature_scale"], tb["feature_scale"])
     assert not torch.equal(ta["layers.0.mlp.up_proj.weight"], tb["layers.0.mlp.up_proj.weight"])
+    # and a's draft vocabulary (the selector rows of tokens outside it were never trained), not one chosen
+    # from b's larger data
+    assert np.array_equal(_d2t(b / "drafter.gguf"), _d2t(a / "drafter.gguf"))
     with SpeculativeGenerator(target, b / "drafter.gguf", n_ctx=256) as g:
         toks = g.tokenize(chatml("Sort a list of numbers."))
         assert g.generate(toks, 16, draft_len=7).tokens == g.generate(toks, 16, draft_len=0).tokens
@@ -195,6 +203,45 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("*.pt"))
 
 
+def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
+    """`--extend RUN`: this run's data starts as a copy of another run's (its responses and rows, byte
+    for byte) and generation adds only what it lacks, e.g. for more prompts; the other run's files are
+    not touched; data made otherwise, a directory without responses, or --extend with --data are refused
+    in one line."""
+    target = artifacts["llama"]["target"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    capsys.readouterr()
+    files = [p for p in (a / "data").rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    assert main(["train", "--smoke", "--target", target, "--out", str(b), "--extend", str(a), "--prompts", "10",
+                 "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["data"]["sequences"] == 20 and set(s["held_out"]) == {"v1", "v2", "tune"}
+    log = (b / "train.log").read_text()
+    assert "generating 8 responses (12 already done)" in log
+    assert "12 of 20 sequences carried over" in log and "(0 captured in a second pass)" in log
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before  # a's data untouched
+    fa, fb = Dataset(a / "data"), Dataset(b / "data")
+    rows = {fa.sequence(i)[0].tobytes(): fa.sequence(i)[1] for i in range(len(fa))}
+    shared = [i for i in range(len(fb)) if fb.sequence(i)[0].tobytes() in rows]
+    assert len(shared) == 12 and len(fb) == 20
+    for i in shared:  # the same statistics: the q8 rows and their scales copied as they are
+        np.testing.assert_array_equal(np.array(fb.sequence(i)[1]), np.array(rows[fb.sequence(i)[0].tobytes()]))
+    np.testing.assert_array_equal(np.fromfile(b / "data" / "rows" / "norm.f32", np.float32),
+                                  np.fromfile(a / "data" / "rows" / "norm.f32", np.float32))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "summary.json").write_text((a / "summary.json").read_text())
+    for extra, msg in [(["--extend", str(a), "--max-new", "12"], "made with other settings (max_new=24)"),
+                       (["--extend", str(a), "--data", str(a)], "data and extend exclude each other"),
+                       (["--extend", str(tmp_path / "empty")], "no responses there yet"),
+                       (["--extend", str(tmp_path / "nowhere")], "not a training run directory")]:
+        assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
     """`--init DRAFTER.gguf`: a drafter file (the shipped one, a converted one) as the starting point:
     dequantized, its feature scale unfolded with this run's (the same function), its draft vocabulary
@@ -215,10 +262,7 @@ def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
     assert s["init"]["stage"] == "gguf" and s["init"]["drafter"] == str(src.resolve())
     assert not (b / "ckpt-v1.pt").exists() and not (b / "ckpt-v2.pt").exists()
 
-    def d2t(p):
-        return next(np.array(t.data) for t in GGUFReader(str(p)).tensors if t.name == "d2t")
-
-    np.testing.assert_array_equal(d2t(b / "drafter.gguf"), d2t(src))  # the file's vocabulary, not re-chosen
+    np.testing.assert_array_equal(_d2t(b / "drafter.gguf"), _d2t(src))  # the file's vocabulary, not re-chosen
     # the start computes a's tuned function: a's checkpoint (its own feature scale) against the file's
     # weights unfolded with another scale, on the same features and blocks
     ta = torch.load(a / "ckpt-tune.pt", weights_only=False)["model"]

@@ -254,7 +254,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
               "block_size", "outtype", "final_type", "seed", "draft_vocab", "tune_steps", "init", "feature_format",
-              "top_k", "distill", "prompt_sources", "data"):
+              "top_k", "distill", "prompt_sources", "data", "extend"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -528,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, metavar="RUN_DIR",
                    help="train on another run's finished data (read only; no generation): e.g. several "
                         "--max-sequences samples of one data set")
+    t.add_argument("--extend", default=None, metavar="RUN_DIR",
+                   help="start this run's data from another run's (same --max-new, --seed, taps, feature format "
+                        "and --top-k): its responses and rows are copied, generation adds what it lacks, e.g. "
+                        "for more --prompts")
     t.add_argument("--json", action="store_true")
     t.add_argument("--verbose", action="store_true")
     t.set_defaults(func=cmd_train)

@@ -81,6 +81,9 @@ class RunSpec:
                                         # on this run's data (a GGUF's draft vocabulary is kept)
     data: str = ""                      # another run directory whose finished data to train on (read only, no
                                         # generation): e.g. several max_sequences samples of one data set
+    extend: str = ""                    # another run directory whose data this run's data starts from: its
+                                        # responses and rows are copied, generation adds only what it lacks
+                                        # (e.g. more prompts: the first ones keep their places in the mix)
 
     @classmethod
     def smoke(cls, target: str) -> RunSpec:
@@ -154,13 +157,16 @@ def _other_run(src: Path, what: str, spec: RunSpec) -> tuple[dict, dict]:
     return prev, {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
 
 
-def _data_source(spec: RunSpec) -> Path:
-    """The data directory of run `spec.data`, checked to hold data made as this run would make it."""
-    src = Path(spec.data)
-    _, pspec = _other_run(src, "data", spec)
+def _data_source(spec: RunSpec, what: str = "data") -> Path:
+    """The data directory of run `spec.data` (or `spec.extend`), checked to hold data made as this
+    run would make it."""
+    src = Path(getattr(spec, what))
+    _, pspec = _other_run(src, what, spec)
     other = [k for k in _DATA if pspec[k] != getattr(spec, k)]
     if other:
-        raise ValueError(f"data {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
+        raise ValueError(f"{what} {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
+    if what == "extend" and not (src / "data" / "responses.jsonl").is_file():
+        raise ValueError(f"extend {src}: no responses there yet")
     return src / "data"
 
 
@@ -198,8 +204,22 @@ def _init_source(spec: RunSpec, t: dict) -> tuple[dict, dict]:
     same_data = all(pspec[k] == getattr(spec, k) for k in ("max_new", "seed")) and (src / "data").is_dir()
     info = {"run": str(src.resolve()), "stage": stage, "steps": steps, "held_out_there": held,
             "data": prev.get("data", {}), "wall_s": prev.get("wall_s", {}),
-            "reuse_data": str((src / "data").resolve()) if same_data else None}
+            "reuse_data": str((src / "data").resolve()) if same_data else None,
+            "draft_vocab": _run_vocab(prev, spec.draft_vocab)}
     return info, state
+
+
+def _run_vocab(prev: dict, draft_vocab: int):
+    """A finished run's draft vocabulary (d2t) when it had one of this size: continued training keeps it
+    (the selector rows of tokens outside it were never trained), else None (chosen from this run's data)."""
+    g = prev.get("gguf", {})
+    if not draft_vocab or g.get("draft_vocab") != draft_vocab:
+        return None
+    path = Path(g.get("before_final_type") or g.get("path", ""))
+    d2t = read_tensors(path, ["d2t"]).get("d2t") if path.is_file() else None
+    if d2t is None or d2t.size != draft_vocab:
+        raise ValueError(f"init: the draft vocabulary of that run ({path}) cannot be read")
+    return d2t.astype(np.int64)
 
 
 def _init_gguf(spec: RunSpec, src: Path, t: dict) -> tuple[dict, dict]:
@@ -315,7 +335,11 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     check_spec(spec, tinfo)
     init, init_state = _init_source(spec, tinfo) if spec.init else (None, None)
     init_vocab = init.pop("draft_vocab", None) if init else None
+    if spec.data and spec.extend:
+        raise ValueError("data and extend exclude each other: data trains on another run's data as it is, "
+                         "extend copies it into this run's data and adds to it")
     shared = _data_source(spec) if spec.data else None
+    extend = _data_source(spec, "extend") if spec.extend else None
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
@@ -348,6 +372,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None,
                                sources=spec.prompt_sources or DEFAULT_SOURCES)
     reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] and not shared else []
+    if extend is not None and extend.resolve() not in [r.resolve() for r in reuse]:
+        reuse.insert(0, extend)  # first: its responses start this run's, its store's statistics are taken
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
