@@ -714,6 +714,31 @@ def policy_reach() -> list[str]:
     return out
 
 
+def blind() -> list[str]:
+    if not (HERE / "blind.json").is_file():
+        return []
+    r = _load("blind.json")
+    out = ["### Draft sources without confidences, replayed", "",
+           _source(r["command"], r["date"], "blind.json", f"; {r['tokens']} tokens per generation"), "",
+           "A `draft_source=` callable gives no confidences: the engine keeps a belief over its acceptance from "
+           "the slots it verified (docs/architecture.md §5.9). Here a source at i.i.d. acceptance p is replayed "
+           "with the engine's policy (`core.policy.replay`: no model runs) on measured verify costs, against "
+           f"plain decoding. warm: {r['gens']} generations one after the other (the second of two passes); cold: "
+           "a fresh engine, two generations; mean / worst of "
+           f"{r['seeds']} seeds. 'best fixed': the best fixed draft length on the same traces (the policy does "
+           "not know it). 'turns good': 4 generations at p = 0.3, then 4 at p = 0.9, the speed over the "
+           "second half.", "",
+           "| verify costs | t(2) / t(1) | p | warm | cold | best fixed |", "|---|---|---|---|---|---|"]
+    for label, c in r["curves"].items():
+        tv = c["t_verify_ms"]
+        for p, v in c["p"].items():
+            out.append(f"| {label} | {tv[1] / tv[0]:.2f} | {p} | {v['warm_mean']:.3f}× / {v['warm_min']:.3f}× | "
+                       f"{v['cold_mean']:.3f}× / {v['cold_min']:.3f}× | {v['best_fixed']:.3f}× |")
+        g = c["turns_good"]
+        out.append(f"| {label} | | turns good | {g['mean']:.3f}× | | {g['best_fixed']:.3f}× |")
+    return [*out, ""]
+
+
 def concurrent() -> list[str]:
     if not (HERE / "concurrent.json").is_file():
         return []
@@ -755,7 +780,7 @@ def render() -> str:
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
     body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *drafters(), *heldout(),
-            *dropin(), *exact(), *adaptive(), *concurrent(), *training_data()]
+            *dropin(), *exact(), *adaptive(), *blind(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
 

@@ -14,10 +14,19 @@
 // Expected, not realised, gains: one step's luck is noise, and the calibration keeps the
 // expectation honest.
 // A draft source without confidences ("blind") teaches nothing by drafting, only by what is
-// verified: its recent per-position acceptance (the first readings averaged, then an EMA) decides
-// before the call whether a draft would be verified at all; if not, the step is plain, with a probe
-// that verifies one slot every few steps; slots the cut stops short of drift back towards the
-// estimate of the slot before, so that no early bad luck keeps them unverified for good.
+// verified.  It is modelled as one chance p that a slot is accepted once the slots before it were,
+// with a Beta belief over p from every verified slot: slots 0..i-1 all pass with chance E[p^i],
+// which under an uncertain belief falls off more slowly than E[p]^i (a source that passed i slots
+// is likely a good one), and a slot the cut stopped short of is judged by what the others showed
+// (per-slot estimates kept an early rejection at slot 2 unverified for good).  Before the call the
+// belief says whether a draft would be verified at all; if not, the step is plain, with a probe that
+// verifies one slot now and then (one more after each that passed whole): the wait between probes
+// triples after a rejected one, halves after an accepted one that brings drafting within one more
+// reading, and is reset when drafting pays.  Readings fade: past BLIND_CAP of them, over plain stretches (half every BLIND_HALF steps:
+// a probe after a long one counts), into a new generation (its prior: the mean, as BLIND_START
+// readings), and at once when a probe passes where the belief gave it little chance (the text has
+// changed).  Replayed on i.i.d. sources at p = 0 .. 0.9 and on sources that turn good, with the
+// costs of SmolLM2, Qwen2.5-Coder-1.5B and Gemma-3-270M (tests/test_policy.py).
 #include "policy.h"
 
 #include "common.h"
@@ -28,9 +37,12 @@
 #define PROBE_MAX 64         // plain steps between probes, at most
 #define PROBE_BUDGET 0.01    // probes may cost this fraction of the plain steps' time
 #define CAL_CAP 100.0f       // calibration counts per cell before they decay (recent text matters)
-#define BLIND_EMA 0.1        // a draft source's recent acceptance: EMA weight once its first slots are averaged
-#define BLIND_PROBE_W 0.3    // ... and a probe's reading, at least
-#define BLIND_FORGET 0.01    // ... and how fast an unverified slot's estimate returns to the slot before's
+#define BLIND_CAP 40.0       // a draft source's belief: readings kept (older ones fade, text changes) ...
+#define BLIND_START 16.0     // ... carried into a new generation (as its prior) ...
+#define BLIND_HALF 64.0      // ... plain steps that halve them ...
+#define BLIND_SURPRISE 0.1   // ... and a probe this unlikely to pass, passing, leaves this many:
+#define BLIND_RESET 2.0
+#define BLIND_BACKOFF 3      // a blind probe's wait after a rejection (the drafter's doubles)
 
 void dflash_policy_init(struct dflash_policy * p) {
     memset(p, 0, sizeof(*p));
@@ -42,10 +54,20 @@ void dflash_policy_init(struct dflash_policy * p) {
         p->probe_every[c] = 2;
     }
     p->ep_state = -1;
+    p->blind_a = p->blind_b = 1.0;  // uniform: nothing known of a draft source
+}
+
+// Scale a draft source's belief down to at most n readings, keeping its mean.
+static void blind_fade(struct dflash_policy * p, double n) {
+    const double tot = p->blind_a + p->blind_b;
+    if (tot > n) {
+        p->blind_a *= n / tot;
+        p->blind_b *= n / tot;
+    }
 }
 
 void dflash_policy_begin(struct dflash_policy * p) {
-    memset(p->recent_n, 0, sizeof(p->recent_n));  // (the drafter's recent[] only sizes drafts: kept as it is)
+    blind_fade(p, BLIND_START);  // (the drafter's recent[] only sizes drafts: kept as it is)
 }
 
 // t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
@@ -93,6 +115,12 @@ static double recent_at(const struct dflash_policy * p, int32_t i) {
     return p->recent[i] < 0.0 ? 0.5 : p->recent[i];
 }
 
+// Without confidences, the chance that slot i is accepted once slots 0..i-1 were: a blind source's
+// E[p^(i+1)] / E[p^i] under its Beta belief; the drafter's recent acceptance.
+static double next_accept(const struct dflash_policy * p, int32_t i) {
+    return p->blind ? (p->blind_a + i) / (p->blind_a + p->blind_b + i) : recent_at(p, i);
+}
+
 // A joint decode of k rows (several sequences'), as the model predicts it now.
 static double t_joint(const struct dflash_policy * p, int32_t k) {
     if (!p->have_costs || p->costs.n_rows < 1) return dflash_policy_t_verify(p, k);
@@ -135,7 +163,7 @@ static int32_t cut_at(const struct dflash_policy * p, const float * conf, int32_
     double E = 1.0, prod = 1.0, best_v = 1.0 - R * t_rows(p, 1), best_e = 1.0;
     int32_t best_k = 0;
     for (int32_t k = 1; k <= n; k++) {
-        prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : recent_at(p, k - 1);
+        prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : next_accept(p, k - 1);
         E += prod;
         if (expected) expected[k - 1] = (float) prod;
         const double v = E - R * t_rows(p, k + 1);
@@ -159,7 +187,7 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
     double E = 1.0, prod = 1.0, best_v = -INFINITY;
     int32_t best_n = 1;
     for (int32_t n = 1; n <= n_cap; n++) {
-        prod *= recent_at(p, n - 1);
+        prod *= next_accept(p, n - 1);
         E += prod;
         const double v = E - R * (dflash_policy_t_draft(p, n) + t_rows(p, n + 1));
         if (v > best_v) {
@@ -167,16 +195,24 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
             best_n = n;
         }
     }
+    if (p->blind) {
+        // a source without confidences: its draft says nothing new, so what the cut will verify is
+        // known now -- a draft it would verify some of, or a plain step (a probe now and then); its
+        // drafts are whole (a source's call costs about the same for any length), the cut decides
+        if (blind_cut(p, n_cap) > 0) return n_cap;
+        // what was verified before a plain stretch says less the longer ago it was: the belief fades
+        // by half every BLIND_HALF plain steps (keeping its mean), so a probe after a long stretch counts
+        blind_fade(p, fmax(2.0, (p->blind_a + p->blind_b) * exp2(-1.0 / BLIND_HALF)));
+        if (++p->skipped[0] >= p->probe_every[0]) {
+            *probe = p->probing = true;
+            return n_cap;
+        }
+        return 0;
+    }
     // one slot more than the recent acceptance asks for: the cut after the draft may keep it
     const int32_t n = best_n + 1 < n_cap ? best_n + 1 : n_cap;
-    const int32_t c = p->blind ? 0 : p->state;  // (a blind source's probes: one counter, no streak states)
-    if (p->blind && p->recent[0] >= 0.0) {
-        // a source without confidences: its draft says nothing new, so what the cut will verify is
-        // known now -- a draft it would verify some of, or a plain step (a probe now and then)
-        if (blind_cut(p, n) > 0) return n;
-    } else if (p->gain[c] > 0.0) {
-        return n;
-    }
+    const int32_t c = p->state;
+    if (p->gain[c] > 0.0) return n;
     if (++p->skipped[c] >= p->probe_every[c]) {
         *probe = p->probing = true;
         return n;
@@ -188,13 +224,17 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
                              float * expected) {
     const double R0 = plain_rate(p);
     double best_e;
+    p->blind = conf == NULL;
     int32_t best_k = cut_at(p, conf, n, expected, &best_e);
     // without confidences only verified slots teach anything: a probe (or the very first draft)
-    // verifies one at least, even where the recent acceptance says it does not pay
-    p->blind = conf == NULL;
-    if (p->blind && best_k == 0 && n >= 1 && (p->probing || p->recent[0] < 0.0)) {
-        best_k = 1;
-        best_e = 1.0 + recent_at(p, 0);
+    // verifies one at least, even where the belief says it does not pay
+    if (p->blind && best_k == 0 && n >= 1 && (p->probing || !p->blind_known)) {
+        // (one slot more after each probe that passed whole: a source that keeps passing is learnt
+        // faster, and its accepted slots are tokens)
+        best_k = 1 + p->probe_run < n ? 1 + p->probe_run : n;
+        double prod = 1.0;
+        best_e = 1.0;
+        for (int32_t i = 0; i < best_k; i++) best_e += (prod *= next_accept(p, i));
     }
     // over a plain step, in plain-step units (alone, a plain step's time buys one token)
     p->last_gain = best_e - R0 * (dflash_policy_t_draft(p, n_made) + t_rows(p, best_k + 1))
@@ -202,42 +242,40 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     return best_k;
 }
 
-// The recent acceptance of the slots a step reached (every earlier one accepted), k verified.
+// The drafter's recent acceptance of the slots a step reached (every earlier one accepted), k verified.
 static void update_recent(struct dflash_policy * p, int32_t k, int32_t n_acc) {
-    if (p->blind && k >= 1) {
-        // a source without confidences learns a slot only by verifying it: estimates of the slots
-        // the cut stopped short of drift back towards the slot before's, so that one bad early
-        // reading cannot keep them unverified for good
-        for (int32_t i = k > 1 ? k : 1; i < DFLASH_MAX_DRAFT && p->recent[i] >= 0.0; i++) {
-            p->recent[i] += BLIND_FORGET * (p->recent[i - 1] - p->recent[i]);
-        }
-    }
     for (int32_t i = 0; i < k && i <= n_acc; i++) {
-        const double ok = i < n_acc ? 1.0 : 0.0;
-        p->recent[i] = p->recent[i] < 0.0 ? recent_at(p, i) : p->recent[i];
-        // a draft source's first observations are averaged (nothing else tells how good it is), then
-        // an EMA follows changes of text; the drafter's confidences calibrate, its recent[] only sizes drafts
-        double w = 0.3;
-        if (p->blind) {
-            w = 1.0 / (p->recent_n[i] + 2.0);  // (the prior, 0.5 or the slot before's, counts as one)
-            // a probe's reading weighs more: the estimate it tests is a plain stretch old
-            const double floor = p->probing ? BLIND_PROBE_W : BLIND_EMA;
-            w = w > floor ? w : floor;
-        }
-        if (p->recent_n[i] < INT32_MAX) p->recent_n[i]++;
-        p->recent[i] += w * (ok - p->recent[i]);
+        if (p->recent[i] < 0.0) p->recent[i] = recent_at(p, i);
+        p->recent[i] += 0.3 * ((i < n_acc ? 1.0 : 0.0) - p->recent[i]);
     }
 }
 
-// Probes back off while they find nothing, as far as keeps their cost (a draft each, and a blind
-// probe's forced row) at PROBE_BUDGET of the time: a cheap draft source is probed often, the
-// drafter less.
+// A blind source's belief after k verified slots, n_acc of them accepted (each reached slot is a reading).
+static void blind_observe(struct dflash_policy * p, int32_t k, int32_t n_acc) {
+    if (k < 1) return;
+    const int32_t got = n_acc < k ? n_acc : k;
+    if (got == k) {
+        // every verified slot passed, which the belief gave little chance: the source has changed (a
+        // new text), and what was learnt of the old one counts as a prior only
+        double like = 1.0;
+        for (int32_t i = 0; i < k; i++) like *= (p->blind_a + i) / (p->blind_a + p->blind_b + i);
+        if (like < BLIND_SURPRISE) blind_fade(p, BLIND_RESET);
+    }
+    p->blind_known = true;
+    p->blind_a += got;
+    p->blind_b += got < k ? 1.0 : 0.0;
+    blind_fade(p, BLIND_CAP);
+}
+
+// The drafter's probes back off while they find nothing, as far as keeps their cost (a draft each)
+// at PROBE_BUDGET of the time.
 static int32_t probe_backoff(const struct dflash_policy * p, int32_t every) {
     double cost = fmax(dflash_policy_t_draft(p, 1), p->t_probe) / dflash_policy_t_verify(p, 1);
     if (p->blind) cost += fmax(0.0, t_rows(p, 2) - t_rows(p, 1)) / dflash_policy_t_verify(p, 1);
     int32_t cap = (int32_t) ceil(cost / PROBE_BUDGET);
     cap = cap < 2 ? 2 : (cap > PROBE_MAX ? PROBE_MAX : cap);
-    return 2 * every < cap ? 2 * every : cap;
+    const int32_t next = (p->blind ? BLIND_BACKOFF : 2) * every;
+    return next < cap ? next : cap;
 }
 
 // What a draft decided in state c turned out to be worth, in expectation: an EMA while drafting
@@ -292,25 +330,24 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
-        if (!conf) {
-            // a source without confidences: its recent acceptance decides (dflash_policy_plan); after a
-            // probe, drafting resumes if what it verified makes a cut pay, else the probes back off
-            update_recent(p, k, n_acc);
+        if (!conf) {  // a source without confidences: its belief decides (dflash_policy_plan)
+            blind_observe(p, k, n_acc);
             p->skipped[0] = 0;
             if (p->probing) {
                 // drafting resumes once what the probes verified makes a cut pay; until then an accepted
                 // probe halves the wait for the next one if one more would make it pay, and anything
                 // else doubles it (a source far from paying is not probed often, however lucky)
                 const int32_t half = p->probe_every[0] / 2 > 2 ? p->probe_every[0] / 2 : 2;
+                p->probe_run = n_acc >= k ? p->probe_run + 1 : 0;
                 if (blind_cut(p, n_drafted) > 0) {
                     p->probe_every[0] = 2;
+                    p->probe_run = 0;
                 } else if (n_acc == 0) {
                     p->probe_every[0] = probe_backoff(p, p->probe_every[0]);
                 } else {
-                    const double r0 = p->recent[0];
-                    p->recent[0] = r0 + BLIND_PROBE_W * (1.0 - r0);
+                    p->blind_a += 1.0;
                     const bool near = blind_cut(p, n_drafted) > 0;
-                    p->recent[0] = r0;
+                    p->blind_a -= 1.0;
                     p->probe_every[0] = near ? half : probe_backoff(p, p->probe_every[0]);
                 }
             }
@@ -331,6 +368,10 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
         p->ep_state = -1;
     }
     if (n_drafted == 0) return;
+    if (!conf) {  // (a fixed-length step of a blind source)
+        blind_observe(p, k, n_acc);
+        return;
+    }
     update_recent(p, k, n_acc);
     for (int32_t i = 0; conf && i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
         const float ok = i < n_acc ? 1.0f : 0.0f;

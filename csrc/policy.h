@@ -16,8 +16,12 @@ struct dflash_policy {
     double speed;                 // measured / modelled step time (machine drift), EMA
     double t_draft_ext;           // an external draft source's time per draft (no measured curve), EMA
     struct dflash_calibration cal;
-    double recent[DFLASH_MAX_DRAFT]; // acceptance of a reached slot per position, EMA (before a draft)
-    int32_t recent_n[DFLASH_MAX_DRAFT]; // slots reached per position so far (a blind source's first ones average)
+    double recent[DFLASH_MAX_DRAFT]; // the drafter's acceptance of a reached slot per position, EMA (sizes drafts)
+    // A draft source without confidences ("blind"): one chance p that a slot is accepted once the
+    // ones before it were, with a Beta(blind_a, blind_b) belief over it from the slots verified
+    double blind_a, blind_b;
+    int32_t probe_run;            // a blind source's probes in a row that passed whole
+    bool blind_known;             // a slot of a draft source has been verified (the first draft verifies one)
     // Acceptance runs in streaks: what the last step accepted predicts the next draft, so the
     // decision to draft is learnt per state (DFLASH_POLICY_STATES: no draft verified, first slot
     // rejected, 1-2 accepted, 3 or more accepted).
@@ -30,7 +34,7 @@ struct dflash_policy {
     double t_probe;               // a probe's measured draft time, EMA: it first injects the rows of the plain
                                   // stretch before it, which the draft curve (drafts within a streak) leaves out
     bool blind;                   // the last draft came without confidences (a draft source): a probe
-                                  // verifies at least its first slot, or nothing would ever be learnt
+                                  // verifies its first slot at least, or nothing would ever be learnt
     int32_t ep_state;             // the cold state (0, 1) whose draft opened the current streak, or -1
     double ep_gain;               // the streak's expected gain so far
     double rate;                  // committed tokens per second, EMA over steps

@@ -1,0 +1,130 @@
+"""Draft sources without confidences ("blind": a `draft_source=` callable), replayed: how the
+engine's policy (csrc/dflash_policy.c) does against plain decoding and against the best fixed
+draft length, on the verify costs this machine measured.
+
+A source at i.i.d. acceptance p (each slot right with probability p while the ones before it were)
+is replayed with `core.policy.replay` -- the engine's own plan / cut / learn steps, each step timed
+on the given cost curve: no model runs, so the figures are deterministic for a given curve.  The
+curves are measured ones, read from other results: the Qwen2.5-Coder-1.5B and Gemma-3-270M verify
+costs of `bench_adaptive.py --parts replay` (adaptive.json) and SmolLM2-135M's of
+`bench_policy.py` (policy.json).  Three cases per curve:
+
+  - warm: `--gens` generations of `--tokens` tokens one after the other, replayed twice and the
+    second pass reported (the policy carries what it learnt from one text into the next as a
+    prior), mean and worst over `--seeds`;
+  - cold: a fresh engine, two generations (what bench_adaptive's replay part measures);
+  - turns good: 4 generations at p = 0.3, then 4 at p = 0.9; the speed over the second half.
+
+Each against the best fixed draft length for the same traces (which the policy does not know).
+
+Usage: python3 bench/bench_blind.py [--seeds 4] [--gens 8] [--tokens 128] [--out bench/results/blind.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+from pathlib import Path
+
+from llama_dflash.core import policy
+
+HERE = Path(__file__).resolve().parent
+PS = (0.0, 0.3, 0.5, 0.7, 0.9)
+
+
+def iid_traces(p: float, n: int, length: int, n_max: int, seed: int) -> list[list[tuple[int, None]]]:
+    """Dense traces of a source whose slots are each right with probability p (while the ones before were)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tr = []
+        for j in range(length):
+            a = 0
+            while a < n_max and rng.random() < p:
+                a += 1
+            tr.append((min(a, length - j - 1), None))
+        out.append(tr)
+    return out
+
+
+def fixed_seconds(traces, tv: list[float], n: int) -> float:
+    """The time of drafting n every step (every drafted slot verified)."""
+    t = 0.0
+    for tr in traces:
+        j = 0
+        while j < len(tr):
+            k = min(n, len(tr) - j - 1)
+            t += tv[k]
+            j += min(k, tr[j][0]) + 1
+    return t
+
+
+def best_fixed(traces, tv: list[float], n_max: int) -> float:
+    plain = sum(map(len, traces)) * tv[0]
+    return max(1.0, max(plain / fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
+
+
+def curves() -> dict[str, list[float]]:
+    """Measured verify costs (seconds for 1 .. n_max + 1 rows) from the other benches' results."""
+    out = {}
+    ad = HERE / "results" / "adaptive.json"
+    if ad.is_file():
+        r = json.loads(ad.read_text()).get("replay", {})
+        for label, rows in r.get("targets", {}).items():
+            out[f"{label} ({r['date'][:16]})"] = [x / 1e3 for x in rows["cost_model_ms"]["t_verify"]]
+    po = HERE / "results" / "policy.json"
+    if po.is_file():
+        r = json.loads(po.read_text())
+        out[f"{r['target']} ({r['date'][:16]})"] = [x / 1e3 for x in r["cost_model_ms"]["t_verify"]]
+    if not out:
+        sys.exit("bench_blind: needs bench/results/adaptive.json (replay part) or policy.json for measured costs")
+    return out
+
+
+def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
+    n_max = min(len(tv) - 1, 15)
+    res: dict = {"t_verify_ms": [round(x * 1e3, 2) for x in tv], "n_max": n_max, "p": {}}
+    for p in PS:
+        warm, cold, best = [], [], []
+        for seed in range(seeds):
+            tr = iid_traces(p, gens, tokens, n_max, seed)
+            r = policy.replay(tr, tv, [], n_max)
+            warm.append(r["plain_seconds"] / r["seconds"])
+            best.append(best_fixed(tr, tv, n_max))
+            r = policy.replay(tr[:2], tv, [], n_max, passes=1)
+            cold.append(r["plain_seconds"] / r["seconds"])
+        res["p"][str(p)] = {"warm_mean": round(sum(warm) / seeds, 3), "warm_min": round(min(warm), 3),
+                            "cold_mean": round(sum(cold) / seeds, 3), "cold_min": round(min(cold), 3),
+                            "best_fixed": round(sum(best) / seeds, 3)}
+    xs, bests = [], []
+    for seed in range(seeds):
+        bad, good = (iid_traces(0.3, 4, tokens, n_max, seed), iid_traces(0.9, 4, tokens, n_max, seed + 100))
+        both, first = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (bad + good, bad))
+        xs.append(sum(map(len, good)) * tv[0] / (both - first))
+        bests.append(best_fixed(good, tv, n_max))
+    res["turns_good"] = {"mean": round(sum(xs) / seeds, 3), "best_fixed": round(sum(bests) / seeds, 3)}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--gens", type=int, default=8, help="generations one after the other (warm)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(HERE / "results" / "blind.json"))
+    a = ap.parse_args()
+    out = {"command": "python3 bench/bench_blind.py" + "".join(f" {x}" for x in sys.argv[1:]),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "seeds": a.seeds, "gens": a.gens,
+           "tokens": a.tokens, "curves": {}}
+    for label, tv in curves().items():
+        out["curves"][label] = r = run_curve(tv, a.seeds, a.gens, a.tokens)
+        print(label, json.dumps(r), flush=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
