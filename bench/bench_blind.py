@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -35,36 +34,9 @@ HERE = Path(__file__).resolve().parent
 PS = (0.0, 0.3, 0.5, 0.7, 0.9)
 
 
-def iid_traces(p: float, n: int, length: int, n_max: int, seed: int) -> list[list[tuple[int, None]]]:
-    """Dense traces of a source whose slots are each right with probability p (while the ones before were)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        tr = []
-        for j in range(length):
-            a = 0
-            while a < n_max and rng.random() < p:
-                a += 1
-            tr.append((min(a, length - j - 1), None))
-        out.append(tr)
-    return out
-
-
-def fixed_seconds(traces, tv: list[float], n: int) -> float:
-    """The time of drafting n every step (every drafted slot verified)."""
-    t = 0.0
-    for tr in traces:
-        j = 0
-        while j < len(tr):
-            k = min(n, len(tr) - j - 1)
-            t += tv[k]
-            j += min(k, tr[j][0]) + 1
-    return t
-
-
 def best_fixed(traces, tv: list[float], n_max: int) -> float:
     plain = sum(map(len, traces)) * tv[0]
-    return max(1.0, max(plain / fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
+    return max(1.0, max(plain / policy.fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
 
 
 def curves() -> dict[str, list[float]]:
@@ -90,7 +62,7 @@ def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
     for p in PS:
         warm, cold, best = [], [], []
         for seed in range(seeds):
-            tr = iid_traces(p, gens, tokens, n_max, seed)
+            tr = policy.iid_traces(p, gens, tokens, seed, n_max)
             r = policy.replay(tr, tv, [], n_max)
             warm.append(r["plain_seconds"] / r["seconds"])
             best.append(best_fixed(tr, tv, n_max))
@@ -101,7 +73,8 @@ def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
                             "best_fixed": round(sum(best) / seeds, 3)}
     xs, bests = [], []
     for seed in range(seeds):
-        bad, good = (iid_traces(0.3, 4, tokens, n_max, seed), iid_traces(0.9, 4, tokens, n_max, seed + 100))
+        bad = policy.iid_traces(0.3, 4, tokens, seed, n_max)
+        good = policy.iid_traces(0.9, 4, tokens, seed + 100, n_max)
         both, first = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (bad + good, bad))
         xs.append(sum(map(len, good)) * tv[0] / (both - first))
         bests.append(best_fixed(good, tv, n_max))

@@ -5,7 +5,6 @@ drafts where drafts pay and stops where they do not."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -292,32 +291,6 @@ TV_QWEN = [74.9, 121.7, 150.5, 208.5, 215.8, 257.2, 361.3, 464.8]  # Qwen2.5-Cod
 TV_GEMMA = [19.2, 33.8, 58.0, 46.5, 66.2, 62.0, 71.9, 69.9]  # Gemma-3-270M Q4_K_M (3 rows cost more than 4)
 
 
-def _iid_traces(p, n_traces=8, length=128, seed=0, n_max=7):
-    """A draft source whose slots are each right with probability p (while the ones before were)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n_traces):
-        tr = []
-        for j in range(length):
-            a = 0
-            while a < n_max and rng.random() < p:
-                a += 1
-            tr.append((min(a, length - j - 1), None))
-        out.append(tr)
-    return out
-
-
-def _fixed_seconds(traces, tv, n):
-    t = 0.0
-    for tr in traces:
-        j = 0
-        while j < len(tr):
-            k = min(n, len(tr) - j - 1)
-            t += tv[k]
-            j += min(k, tr[j][0]) + 1
-    return t
-
-
 # the same measured in an hour when a second row cost more than the first (bench_adaptive, 2026-12-02 11:35)
 TV_QWEN_DEAR = [37.0, 79.2, 92.7, 116.7, 126.0, 147.6, 168.7]
 TV_GEMMA_DEAR = [10.9, 24.6, 28.4, 33.5, 45.6, 49.0, 58.2]
@@ -336,10 +309,10 @@ def test_replay_blind_source_never_loses_and_finds_what_pays(tv_ms, p):
     tv = [x / 1e3 for x in tv_ms]
     n_max = len(tv) - 1
     for seed in range(4):
-        traces = _iid_traces(p, seed=seed, n_max=n_max)
+        traces = policy.iid_traces(p, seed=seed, n_max=n_max)
         r = policy.replay(traces, tv, [], n_max)
         x = r["plain_seconds"] / r["seconds"]
-        best = max(r["plain_seconds"] / _fixed_seconds(traces, tv, n) for n in range(1, n_max + 1))
+        best = max(r["plain_seconds"] / policy.fixed_seconds(traces, tv, n) for n in range(1, n_max + 1))
         assert x >= 0.97, (seed, x, r)
         if best >= 1.3:
             assert x - 1 >= 0.6 * (best - 1), (seed, x, best, r)
@@ -356,10 +329,10 @@ def test_replay_blind_source_slots_it_never_verified_are_judged_by_the_others(tv
     n_max = len(tv) - 1
     xs, bests = [], []
     for seed in range(4):
-        traces = _iid_traces(0.9, seed=seed, n_max=n_max)
+        traces = policy.iid_traces(0.9, seed=seed, n_max=n_max)
         r = policy.replay(traces, tv, [], n_max)
         xs.append(r["plain_seconds"] / r["seconds"])
-        bests.append(max(r["plain_seconds"] / _fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
+        bests.append(max(r["plain_seconds"] / policy.fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
     assert sum(xs) / 4 - 1 >= 0.6 * (sum(bests) / 4 - 1), (xs, bests)
 
 
@@ -373,12 +346,12 @@ def test_replay_blind_source_that_turns_good_is_found_again(tv_ms):
     tv = [x / 1e3 for x in tv_ms]
     xs, bests = [], []
     for seed in range(4):
-        bad, good = _iid_traces(0.3, 4, seed=seed), _iid_traces(0.9, 4, seed=seed + 100)
+        bad, good = policy.iid_traces(0.3, 4, seed=seed), policy.iid_traces(0.9, 4, seed=seed + 100)
         both, first = (policy.replay(t, tv, [], 7, passes=1)["seconds"] for t in (bad + good, bad))
         t_good = both - first  # (the same steps until the switch)
         plain = sum(map(len, good)) * tv[0]
         xs.append(plain / t_good)
-        bests.append(max(plain / _fixed_seconds(good, tv, n) for n in range(1, 8)))
+        bests.append(max(plain / policy.fixed_seconds(good, tv, n) for n in range(1, 8)))
     x, best = sum(xs) / 4, sum(bests) / 4
     assert x >= 1 + 0.5 * (best - 1), (xs, bests)
 

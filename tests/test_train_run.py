@@ -100,6 +100,11 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["gguf"]["draft_vocab"] == 256 and (out / "drafter.gguf").is_file()
 
 
+def _files_state(d) -> dict:
+    """Every file below d with its size and modification time (to show a run left them alone)."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
 def _d2t(path) -> np.ndarray:
     """A drafter file's draft vocabulary (its d2t map)."""
     return next(np.array(t.data) for t in GGUFReader(str(path)).tensors if t.name == "d2t")
@@ -167,8 +172,7 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
     capsys.readouterr()
-    files = [p for p in (a / "data").rglob("*") if p.is_file()]
-    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    before = _files_state(a / "data")
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--max-sequences", "6",
                  "--final-type", "q4_0", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
@@ -184,8 +188,7 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
         toks = g.tokenize(chatml("Write a Python function that reverses a list."))
         assert g.generate(toks, 16, draft_len=7, stop_on_eos=False).tokens == \
             g.generate(toks, 16, draft_len=0, stop_on_eos=False).tokens
-    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before  # a's data untouched
-    assert sorted(p for p in (a / "data").rglob("*") if p.is_file()) == sorted(files)
+    assert _files_state(a / "data") == before  # a's data untouched
     fa, fb = Dataset(a / "data"), run_dataset(b)
     assert len(fa) == 12 and len(fb) == 6
     for i in range(6):  # the first 6 of a's fixed order: the same tokens and rows
@@ -212,8 +215,7 @@ def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
     capsys.readouterr()
-    files = [p for p in (a / "data").rglob("*") if p.is_file()]
-    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+    before = _files_state(a / "data")
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--extend", str(a), "--prompts", "10",
                  "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
@@ -221,7 +223,7 @@ def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
     log = (b / "train.log").read_text()
     assert "generating 8 responses (12 already done)" in log
     assert "12 of 20 sequences carried over" in log and "(0 captured in a second pass)" in log
-    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in files} == before  # a's data untouched
+    assert _files_state(a / "data") == before  # a's data untouched
     fa, fb = Dataset(a / "data"), Dataset(b / "data")
     rows = {fa.sequence(i)[0].tobytes(): fa.sequence(i)[1] for i in range(len(fa))}
     shared = [i for i in range(len(fb)) if fb.sequence(i)[0].tobytes() in rows]

@@ -12,6 +12,7 @@ model and no timing (bench/bench_policy.py, tests/test_policy.py).
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 
 from .. import _native
@@ -111,3 +112,33 @@ def replay(traces: Sequence[Sequence[tuple[int, Sequence[float] | None]]], t_ver
         raise DFlashError(_native.err_str(err))
     return {k: getattr(out, k) for k in ("seconds", "plain_seconds", "steps", "plain_steps", "made", "drafted",
                                           "accepted")}
+
+
+def iid_traces(p: float, n_traces: int = 8, length: int = 128, seed: int = 0,
+               n_max: int = 7) -> list[list[tuple[int, None]]]:
+    """Dense traces (for `replay`) of a draft source without confidences whose slots are each right
+    with probability p while the ones before them were: `n_traces` generations of `length` positions."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_traces):
+        tr = []
+        for j in range(length):
+            a = 0
+            while a < n_max and rng.random() < p:
+                a += 1
+            tr.append((min(a, length - j - 1), None))
+        out.append(tr)
+    return out
+
+
+def fixed_seconds(traces: Sequence[Sequence[tuple[int, object]]], t_verify: Sequence[float], n: int) -> float:
+    """Seconds on the cost curve `t_verify` of drafting n tokens at every step of `traces` and
+    verifying them all (no draft time): what a fixed draft length would take."""
+    t = 0.0
+    for tr in traces:
+        j = 0
+        while j < len(tr):
+            k = min(n, len(tr) - j - 1)
+            t += t_verify[k]
+            j += min(k, tr[j][0]) + 1
+    return t
