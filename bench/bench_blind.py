@@ -13,7 +13,10 @@ costs of `bench_adaptive.py --parts replay` (adaptive.json) and SmolLM2-135M's o
     second pass reported (the policy carries what it learnt from one text into the next as a
     prior), mean and worst over `--seeds`;
   - cold: a fresh engine, two generations (what bench_adaptive's replay part measures);
-  - turns good: 4 generations at p = 0.3, then 4 at p = 0.9; the speed over the second half.
+  - turns good: 4 generations at p = 0.3, then 4 at p = 0.9; the speed over the second half;
+  - turns bad: the other way round;
+  - mixed: 12 generations, each at its own p (MIXED), from a fresh engine; against the best fixed
+    length of each generation.
 
 Each against the best fixed draft length for the same traces (which the policy does not know).
 
@@ -32,6 +35,7 @@ from llama_dflash.core import policy
 
 HERE = Path(__file__).resolve().parent
 PS = (0.0, 0.3, 0.5, 0.7, 0.9)
+MIXED = (0.9, 0.3, 0.7, 0.0, 0.5, 0.9, 0.3, 0.9, 0.0, 0.7, 0.3, 0.5)  # one acceptance per generation
 
 
 def best_fixed(traces, tv: list[float], n_max: int) -> float:
@@ -39,9 +43,13 @@ def best_fixed(traces, tv: list[float], n_max: int) -> float:
     return max(1.0, max(plain / policy.fixed_seconds(traces, tv, n) for n in range(1, n_max + 1)))
 
 
-def curves() -> dict[str, list[float]]:
-    """Measured verify costs (seconds for 1 .. n_max + 1 rows) from the other benches' results."""
+def curves(extra: list[str]) -> dict[str, list[float]]:
+    """Measured verify costs (seconds for 1 .. n_max + 1 rows) from the other benches' results, and
+    any given as LABEL=ms,ms,... (e.g. an earlier hour's, from a results file's history)."""
     out = {}
+    for x in extra:
+        label, _, ms = x.partition("=")
+        out[label] = [float(v) / 1e3 for v in ms.split(",")]
     ad = HERE / "results" / "adaptive.json"
     if ad.is_file():
         r = json.loads(ad.read_text()).get("replay", {})
@@ -79,6 +87,23 @@ def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
         xs.append(sum(map(len, good)) * tv[0] / (both - first))
         bests.append(best_fixed(good, tv, n_max))
     res["turns_good"] = {"mean": round(sum(xs) / seeds, 3), "best_fixed": round(sum(bests) / seeds, 3)}
+    xs, bests = [], []
+    for seed in range(seeds):
+        good = policy.iid_traces(0.9, 4, tokens, seed, n_max)
+        bad = policy.iid_traces(0.3, 4, tokens, seed + 100, n_max)
+        both, first = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (good + bad, good))
+        xs.append(sum(map(len, bad)) * tv[0] / (both - first))
+        bests.append(best_fixed(bad, tv, n_max))
+    res["turns_bad"] = {"mean": round(sum(xs) / seeds, 3), "min": round(min(xs), 3),
+                        "best_fixed": round(sum(bests) / seeds, 3)}
+    xs, bests = [], []
+    for seed in range(seeds):  # each generation another source quality (prompts that quote what follows, or not)
+        trs = [policy.iid_traces(p, 1, tokens, seed * 100 + i, n_max)[0] for i, p in enumerate(MIXED)]
+        r = policy.replay(trs, tv, [], n_max, passes=1)
+        xs.append(r["plain_seconds"] / r["seconds"])
+        bests.append(r["plain_seconds"] / sum(len(t) * tv[0] / best_fixed([t], tv, n_max) for t in trs))
+    res["mixed"] = {"mean": round(sum(xs) / seeds, 3), "min": round(min(xs), 3),
+                    "best_fixed_each": round(sum(bests) / seeds, 3)}
     return res
 
 
@@ -87,12 +112,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--gens", type=int, default=8, help="generations one after the other (warm)")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--curve", action="append", default=[], metavar="LABEL=MS,MS,...",
+                    help="another verify-cost curve (ms for 1 .. n rows), e.g. an earlier hour's")
     ap.add_argument("--out", default=str(HERE / "results" / "blind.json"))
     a = ap.parse_args()
     out = {"command": "python3 bench/bench_blind.py" + "".join(f" {x}" for x in sys.argv[1:]),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "seeds": a.seeds, "gens": a.gens,
            "tokens": a.tokens, "curves": {}}
-    for label, tv in curves().items():
+    for label, tv in curves(a.curve).items():
         out["curves"][label] = r = run_curve(tv, a.seeds, a.gens, a.tokens)
         print(label, json.dumps(r), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -727,15 +727,18 @@ def blind() -> list[str]:
            "a fresh engine, two generations; mean / worst of "
            f"{r['seeds']} seeds. 'best fixed': the best fixed draft length on the same traces (the policy does "
            "not know it). 'turns good': 4 generations at p = 0.3, then 4 at p = 0.9, the speed over the "
-           "second half.", "",
+           "second half; 'turns bad': the other way round; 'mixed': 12 generations from a fresh engine, each at "
+           "its own p, against the best fixed length of each.", "",
            "| verify costs | t(2) / t(1) | p | warm | cold | best fixed |", "|---|---|---|---|---|---|"]
     for label, c in r["curves"].items():
         tv = c["t_verify_ms"]
         for p, v in c["p"].items():
             out.append(f"| {label} | {tv[1] / tv[0]:.2f} | {p} | {v['warm_mean']:.3f}× / {v['warm_min']:.3f}× | "
                        f"{v['cold_mean']:.3f}× / {v['cold_min']:.3f}× | {v['best_fixed']:.3f}× |")
-        g = c["turns_good"]
+        g, b, m = c["turns_good"], c["turns_bad"], c["mixed"]
         out.append(f"| {label} | | turns good | {g['mean']:.3f}× | | {g['best_fixed']:.3f}× |")
+        out.append(f"| {label} | | turns bad | {b['mean']:.3f}× / {b['min']:.3f}× | | {b['best_fixed']:.3f}× |")
+        out.append(f"| {label} | | mixed | | {m['mean']:.3f}× / {m['min']:.3f}× | {m['best_fixed_each']:.3f}× |")
     return [*out, ""]
 
 
