@@ -244,6 +244,24 @@ def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
+def test_extend_follows_what_the_extended_run_extended(tmp_path):
+    """A run stopped before its features stage holds the responses of the run it extended but not
+    their rows: extending it copies them from there (the chain, without cycles)."""
+    from llama_dflash.train.run import RunSpec, _extended
+
+    runs = {n: tmp_path / n for n in "abc"}
+    spec = RunSpec(target="t.gguf", taps=[1, 2])
+    for n, ext in (("a", ""), ("b", "a"), ("c", "b")):
+        (runs[n] / "data").mkdir(parents=True)
+        (runs[n] / "data" / "responses.jsonl").write_text("")
+        (runs[n] / "summary.json").write_text(json.dumps({"spec": {**spec.__dict__, "extend": str(runs[ext]) if ext
+                                                                   else ""}}))
+    spec.extend = str(runs["c"])
+    assert _extended(spec) == [runs["c"] / "data", runs["b"] / "data", runs["a"] / "data"]
+    (runs["a"] / "summary.json").write_text(json.dumps({"spec": {**spec.__dict__, "extend": str(runs["c"])}}))
+    assert _extended(spec) == [runs["c"] / "data", runs["b"] / "data", runs["a"] / "data"]  # (a cycle ends it)
+
+
 def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
     """`--init DRAFTER.gguf`: a drafter file (the shipped one, a converted one) as the starting point:
     dequantized, its feature scale unfolded with this run's (the same function), its draft vocabulary

@@ -170,6 +170,21 @@ def _data_source(spec: RunSpec, what: str = "data") -> Path:
     return src / "data"
 
 
+def _extended(spec: RunSpec) -> list[Path]:
+    """The data directories `spec.extend` copies from: that run's, then those it extended in turn (a run
+    stopped before its features stage has not copied their rows yet)."""
+    out = [_data_source(spec, "extend")]
+    src = Path(spec.extend)
+    while True:
+        prev = json.loads((src / "summary.json").read_text()).get("spec", {}).get("extend") or ""
+        if not prev or not (Path(prev) / "data").is_dir() or len(out) > 16:
+            return out
+        src = Path(prev)
+        if (src / "data").resolve() in {d.resolve() for d in out}:
+            return out
+        out.append(src / "data")
+
+
 # settings that change only how fast a run goes: resuming with other values is allowed
 _SPEED = ("n_seq",)
 
@@ -339,7 +354,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
         raise ValueError("data and extend exclude each other: data trains on another run's data as it is, "
                          "extend copies it into this run's data and adds to it")
     shared = _data_source(spec) if spec.data else None
-    extend = _data_source(spec, "extend") if spec.extend else None
+    extend = _extended(spec) if spec.extend else []
     out.mkdir(parents=True, exist_ok=True)
     logf = open(out / "train.log", "a", encoding="utf-8")
 
@@ -372,8 +387,9 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None,
                                sources=spec.prompt_sources or DEFAULT_SOURCES)
     reuse = [Path(init["reuse_data"])] if init and init["reuse_data"] and not shared else []
-    if extend is not None and extend.resolve() not in [r.resolve() for r in reuse]:
-        reuse.insert(0, extend)  # first: its responses start this run's, its store's statistics are taken
+    # the extended run's data first (its responses start this run's, its store's statistics are taken), then
+    # what that run extended in turn (rows it had not copied yet)
+    reuse = [*extend, *(r for r in reuse if r.resolve() not in {e.resolve() for e in extend})]
     if reuse and not (data_dir / "responses.jsonl").is_file() and (reuse[0] / "responses.jsonl").is_file():
         data_dir.mkdir(parents=True, exist_ok=True)  # generation then adds the prompts the earlier run lacked
         shutil.copyfile(reuse[0] / "responses.jsonl", data_dir / "responses.jsonl")
