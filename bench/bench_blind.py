@@ -7,7 +7,7 @@ is replayed with `core.policy.replay` -- the engine's own plan / cut / learn ste
 on the given cost curve: no model runs, so the figures are deterministic for a given curve.  The
 curves are measured ones, read from other results: the Qwen2.5-Coder-1.5B and Gemma-3-270M verify
 costs of `bench_adaptive.py --parts replay` (adaptive.json) and SmolLM2-135M's of
-`bench_policy.py` (policy.json).  Three cases per curve:
+`bench_policy.py` (policy.json).  Five cases per curve:
 
   - warm: `--gens` generations of `--tokens` tokens one after the other, replayed twice and the
     second pass reported (the policy carries what it learnt from one text into the next as a

@@ -353,7 +353,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     struct dflash_stats * st = &e->stats;
     memset(st, 0, sizeof(*st));
     e->active = false;
-    dflash_policy_begin(&e->policy);
+    dflash_policy_begin(&e->policy, e->draft_fn != NULL);
     const int32_t max_tokens = params->max_tokens;
     const int32_t n_draft = params->n_draft;
     if (n_prompt < 1) {

@@ -21,11 +21,11 @@
 // (per-slot estimates kept an early rejection at slot 2 unverified for good).  Before the call the
 // belief says whether a draft would be verified at all; if not, the step is plain, with a probe that
 // verifies one slot now and then (one more after each that passed whole): the wait between probes
-// triples after a rejected one, halves after an accepted one that brings drafting within one more
-// reading, and is reset when drafting pays.  Readings fade: past BLIND_CAP of them, over plain stretches (half every BLIND_HALF steps:
+// halves after an accepted one that brings drafting within one more reading, triples after any
+// other, and is reset when drafting pays.  Readings fade: past BLIND_CAP of them, over plain stretches (half every BLIND_HALF steps:
 // a probe after a long one counts), into a new generation (its prior: the mean, as BLIND_START
-// readings), and at once when a probe passes where the belief gave it little chance (the text has
-// changed).  Replayed on i.i.d. sources at p = 0 .. 0.9 and on sources that turn good, with the
+// readings), and at once when a probe passes whole where the belief gave it little chance (the text
+// has changed).  Replayed on i.i.d. sources at p = 0 .. 0.9 and on sources that turn good, with the
 // costs of SmolLM2, Qwen2.5-Coder-1.5B and Gemma-3-270M (tests/test_policy.py).
 #include "policy.h"
 
@@ -55,6 +55,7 @@ void dflash_policy_init(struct dflash_policy * p) {
     }
     p->ep_state = -1;
     p->blind_a = p->blind_b = 1.0;  // uniform: nothing known of a draft source
+    p->blind_every = 2;
 }
 
 // Scale a draft source's belief down to at most n readings, keeping its mean.
@@ -66,7 +67,8 @@ static void blind_fade(struct dflash_policy * p, double n) {
     }
 }
 
-void dflash_policy_begin(struct dflash_policy * p) {
+void dflash_policy_begin(struct dflash_policy * p, bool blind) {
+    p->blind = blind;
     blind_fade(p, BLIND_START);  // (the drafter's recent[] only sizes drafts: kept as it is)
 }
 
@@ -203,7 +205,7 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
         // what was verified before a plain stretch says less the longer ago it was: the belief fades
         // by half every BLIND_HALF plain steps (keeping its mean), so a probe after a long stretch counts
         blind_fade(p, fmax(2.0, (p->blind_a + p->blind_b) * exp2(-1.0 / BLIND_HALF)));
-        if (++p->skipped[0] >= p->probe_every[0]) {
+        if (++p->blind_skipped >= p->blind_every) {
             *probe = p->probing = true;
             return n_cap;
         }
@@ -224,8 +226,7 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
                              float * expected) {
     const double R0 = plain_rate(p);
     double best_e;
-    p->blind = conf == NULL;
-    int32_t best_k = cut_at(p, conf, n, expected, &best_e);
+    int32_t best_k = cut_at(p, p->blind ? NULL : conf, n, expected, &best_e);
     // without confidences only verified slots teach anything: a probe (or the very first draft)
     // verifies one at least, even where the belief says it does not pay
     if (p->blind && best_k == 0 && n >= 1 && (p->probing || !p->blind_known)) {
@@ -254,9 +255,9 @@ static void update_recent(struct dflash_policy * p, int32_t k, int32_t n_acc) {
 static void blind_observe(struct dflash_policy * p, int32_t k, int32_t n_acc) {
     if (k < 1) return;
     const int32_t got = n_acc < k ? n_acc : k;
-    if (got == k) {
-        // every verified slot passed, which the belief gave little chance: the source has changed (a
-        // new text), and what was learnt of the old one counts as a prior only
+    if (got == k && p->probing) {
+        // a probe passed whole where the belief gave it little chance: the source has changed (a new
+        // text), and what was learnt of the old one counts as a prior only
         double like = 1.0;
         for (int32_t i = 0; i < k; i++) like *= (p->blind_a + i) / (p->blind_a + p->blind_b + i);
         if (like < BLIND_SURPRISE) blind_fade(p, BLIND_RESET);
@@ -330,25 +331,25 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     const int32_t c = p->state;  // the state this step's draft was decided in
     p->state = k == 0 ? 0 : (n_acc == 0 ? 1 : (n_acc < 3 ? 2 : 3));
     if (adaptive && n_drafted > 0) {  // (a fixed-length step formed no expectation)
-        if (!conf) {  // a source without confidences: its belief decides (dflash_policy_plan)
+        if (p->blind) {  // a source without confidences: its belief decides (dflash_policy_plan)
             blind_observe(p, k, n_acc);
-            p->skipped[0] = 0;
+            p->blind_skipped = 0;
             if (p->probing) {
                 // drafting resumes once what the probes verified makes a cut pay; until then an accepted
                 // probe halves the wait for the next one if one more would make it pay, and anything
-                // else doubles it (a source far from paying is not probed often, however lucky)
-                const int32_t half = p->probe_every[0] / 2 > 2 ? p->probe_every[0] / 2 : 2;
-                p->probe_run = n_acc >= k ? p->probe_run + 1 : 0;
+                // else triples it (a source far from paying is not probed often, however lucky)
+                const int32_t half = p->blind_every / 2 > 2 ? p->blind_every / 2 : 2;
+                p->probe_run = k >= 1 && n_acc >= k ? p->probe_run + 1 : 0;
                 if (blind_cut(p, n_drafted) > 0) {
-                    p->probe_every[0] = 2;
+                    p->blind_every = 2;
                     p->probe_run = 0;
                 } else if (n_acc == 0) {
-                    p->probe_every[0] = probe_backoff(p, p->probe_every[0]);
+                    p->blind_every = probe_backoff(p, p->blind_every);
                 } else {
                     p->blind_a += 1.0;
                     const bool near = blind_cut(p, n_drafted) > 0;
                     p->blind_a -= 1.0;
-                    p->probe_every[0] = near ? half : probe_backoff(p, p->probe_every[0]);
+                    p->blind_every = near ? half : probe_backoff(p, p->blind_every);
                 }
             }
             return;
@@ -368,7 +369,7 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
         p->ep_state = -1;
     }
     if (n_drafted == 0) return;
-    if (!conf) {  // (a fixed-length step of a blind source)
+    if (p->blind) {  // (a fixed-length step of a draft source)
         blind_observe(p, k, n_acc);
         return;
     }
@@ -472,7 +473,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
         memset(out, 0, sizeof(*out));
         size_t off = 0;
         for (int32_t t = 0; t < n_traces; off += (size_t) lens[t++]) {
-            dflash_policy_begin(&p);
+            dflash_policy_begin(&p, conf == NULL);
             int32_t pending = 0;  // rows committed since the last draft (the next one injects them)
             // dflash_engine_step's order: the cap, plan, draft, cut, verify (greedy), observe
             for (int32_t j = 0; j < lens[t];) {

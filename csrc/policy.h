@@ -20,7 +20,9 @@ struct dflash_policy {
     // A draft source without confidences ("blind"): one chance p that a slot is accepted once the
     // ones before it were, with a Beta(blind_a, blind_b) belief over it from the slots verified
     double blind_a, blind_b;
-    int32_t probe_run;            // a blind source's probes in a row that passed whole
+    int32_t blind_skipped;        // a blind source's plain steps since its last draft ...
+    int32_t blind_every;          // ... and while its drafts do not pay, one probe in this many
+    int32_t probe_run;            // ... its probes in a row that passed whole
     bool blind_known;             // a slot of a draft source has been verified (the first draft verifies one)
     // Acceptance runs in streaks: what the last step accepted predicts the next draft, so the
     // decision to draft is learnt per state (DFLASH_POLICY_STATES: no draft verified, first slot
@@ -33,8 +35,8 @@ struct dflash_policy {
     bool probing;                 // the last plan was such a probe
     double t_probe;               // a probe's measured draft time, EMA: it first injects the rows of the plain
                                   // stretch before it, which the draft curve (drafts within a streak) leaves out
-    bool blind;                   // the last draft came without confidences (a draft source): a probe
-                                  // verifies its first slot at least, or nothing would ever be learnt
+    bool blind;                   // this generation drafts with a source without confidences (a draft_fn): a
+                                  // probe verifies its first slot at least, or nothing would ever be learnt
     int32_t ep_state;             // the cold state (0, 1) whose draft opened the current streak, or -1
     double ep_gain;               // the streak's expected gain so far
     double rate;                  // committed tokens per second, EMA over steps
@@ -48,9 +50,10 @@ struct dflash_policy {
 };
 
 void   dflash_policy_init(struct dflash_policy * p);
-// A new generation: a draft source's quality depends on the text (prompt lookup on a prompt that
-// quotes what follows, or not), so its per-position estimates keep their values only as a prior.
-void   dflash_policy_begin(struct dflash_policy * p);
+// A new generation, drafted by a source without confidences (blind: a draft_fn) or the drafter: a
+// draft source's quality depends on the text (prompt lookup on a prompt that quotes what follows,
+// or not), so what was learnt of it is kept only as a prior.
+void   dflash_policy_begin(struct dflash_policy * p, bool blind);
 void   dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal);
 // Seconds of a verify batch of k rows / a draft of n tokens, as the model predicts them now.
 double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k);

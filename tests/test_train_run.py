@@ -234,9 +234,19 @@ def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
                                   np.fromfile(a / "data" / "rows" / "norm.f32", np.float32))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "summary.json").write_text((a / "summary.json").read_text())
+    other = tmp_path / "other"  # a run of another target: its responses are that target's token ids
+    (other / "data").mkdir(parents=True)
+    (other / "data" / "responses.jsonl").write_text((a / "data" / "responses.jsonl").read_text())
+    summary = json.loads((a / "summary.json").read_text())
+    summary["spec"]["target"] = str(b / "drafter.gguf")
+    (other / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "summary.json").write_text("{not json")
     for extra, msg in [(["--extend", str(a), "--max-new", "12"], "made with other settings (max_new=24)"),
                        (["--extend", str(a), "--data", str(a)], "data and extend exclude each other"),
                        (["--extend", str(tmp_path / "empty")], "no responses there yet"),
+                       (["--extend", str(other)], "its data was made for another target"),
+                       (["--extend", str(tmp_path / "bad")], "summary.json cannot be read"),
                        (["--extend", str(tmp_path / "nowhere")], "not a training run directory")]:
         assert main(["train", "--smoke", "--target", target, "--out", str(tmp_path / "c"), *extra]) == 2
         err = capsys.readouterr().err
@@ -244,13 +254,13 @@ def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
-def test_extend_follows_what_the_extended_run_extended(tmp_path):
+def test_extend_follows_what_the_extended_run_extended(artifacts, tmp_path):
     """A run stopped before its features stage holds the responses of the run it extended but not
     their rows: extending it copies them from there (the chain, without cycles)."""
     from llama_dflash.train.run import RunSpec, _extended
 
     runs = {n: tmp_path / n for n in "abc"}
-    spec = RunSpec(target="t.gguf", taps=[1, 2])
+    spec = RunSpec(target=artifacts["llama"]["target"], taps=[1, 2])
     for n, ext in (("a", ""), ("b", "a"), ("c", "b")):
         (runs[n] / "data").mkdir(parents=True)
         (runs[n] / "data" / "responses.jsonl").write_text("")

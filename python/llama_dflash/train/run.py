@@ -151,7 +151,10 @@ def _other_run(src: Path, what: str, spec: RunSpec) -> tuple[dict, dict]:
     path = src / "summary.json"
     if not path.is_file():
         raise ValueError(f"{what} {src}: not a training run directory (no summary.json)")
-    prev = json.loads(path.read_text())
+    try:
+        prev = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{what} {src}: {path.name} cannot be read ({e})") from None
     if not isinstance(prev, dict) or not isinstance(prev.get("spec"), dict):
         raise ValueError(f"{what} {src}: {path.name} holds no run settings")
     return prev, {**asdict(RunSpec(target=spec.target)), **prev["spec"]}
@@ -165,9 +168,29 @@ def _data_source(spec: RunSpec, what: str = "data") -> Path:
     other = [k for k in _DATA if pspec[k] != getattr(spec, k)]
     if other:
         raise ValueError(f"{what} {src}: made with other settings ({', '.join(f'{k}={pspec[k]}' for k in other)})")
-    if what == "extend" and not (src / "data" / "responses.jsonl").is_file():
-        raise ValueError(f"extend {src}: no responses there yet")
+    if what == "extend":
+        if not (src / "data" / "responses.jsonl").is_file():
+            raise ValueError(f"extend {src}: no responses there yet")
+        _check_target(src, pspec, spec)
     return src / "data"
+
+
+def _check_target(src: Path, pspec: dict, spec: RunSpec) -> None:
+    """One line unless run `src` (settings pspec) made its data for this run's target: its rows' capture
+    id, or before it has rows, the target file it names."""
+    from .data import DataSpec, _capture_id
+
+    meta = src / "data" / "rows" / "meta.json"
+    try:
+        theirs = json.loads(meta.read_text()).get("capture") if meta.is_file() else None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        theirs = None
+    if theirs is None:
+        if not Path(pspec["target"]).is_file():
+            raise ValueError(f"extend {src}: its target {pspec['target']} is missing (needed to check it is this one)")
+        theirs = _capture_id(DataSpec(pspec["target"], spec.taps))
+    if theirs != _capture_id(DataSpec(spec.target, spec.taps)):
+        raise ValueError(f"extend {src}: its data was made for another target ({pspec['target']})")
 
 
 def _extended(spec: RunSpec) -> list[Path]:
@@ -176,8 +199,11 @@ def _extended(spec: RunSpec) -> list[Path]:
     out = [_data_source(spec, "extend")]
     src = Path(spec.extend)
     while True:
-        prev = json.loads((src / "summary.json").read_text()).get("spec", {}).get("extend") or ""
-        if not prev or not (Path(prev) / "data").is_dir() or len(out) > 16:
+        try:
+            prev = json.loads((src / "summary.json").read_text())["spec"]["extend"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return out
+        if not isinstance(prev, str) or not prev or not (Path(prev) / "data").is_dir() or len(out) > 16:
             return out
         src = Path(prev)
         if (src / "data").resolve() in {d.resolve() for d in out}:
@@ -220,20 +246,25 @@ def _init_source(spec: RunSpec, t: dict) -> tuple[dict, dict]:
     info = {"run": str(src.resolve()), "stage": stage, "steps": steps, "held_out_there": held,
             "data": prev.get("data", {}), "wall_s": prev.get("wall_s", {}),
             "reuse_data": str((src / "data").resolve()) if same_data else None,
-            "draft_vocab": _run_vocab(prev, spec.draft_vocab)}
+            "draft_vocab": _run_vocab(src, prev, spec.draft_vocab)}
     return info, state
 
 
-def _run_vocab(prev: dict, draft_vocab: int):
+def _run_vocab(src: Path, prev: dict, draft_vocab: int):
     """A finished run's draft vocabulary (d2t) when it had one of this size: continued training keeps it
     (the selector rows of tokens outside it were never trained), else None (chosen from this run's data)."""
     g = prev.get("gguf", {})
-    if not draft_vocab or g.get("draft_vocab") != draft_vocab:
+    if not draft_vocab or not isinstance(g, dict) or g.get("draft_vocab") != draft_vocab:
         return None
-    path = Path(g.get("before_final_type") or g.get("path", ""))
-    d2t = read_tensors(path, ["d2t"]).get("d2t") if path.is_file() else None
+    path = Path(str(g.get("before_final_type") or g.get("path", "")))
+    if not path.is_file():  # (recorded relative to another directory, or the run has moved)
+        path = src / path.name
+    try:
+        d2t = read_tensors(path, ["d2t"]).get("d2t") if path.is_file() else None
+    except Exception:  # noqa: BLE001 - a damaged file: the one-line error below
+        d2t = None
     if d2t is None or d2t.size != draft_vocab:
-        raise ValueError(f"init: the draft vocabulary of that run ({path}) cannot be read")
+        raise ValueError(f"init {src}: the draft vocabulary of that run ({path}) cannot be read")
     return d2t.astype(np.int64)
 
 
@@ -350,6 +381,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     check_spec(spec, tinfo)
     init, init_state = _init_source(spec, tinfo) if spec.init else (None, None)
     init_vocab = init.pop("draft_vocab", None) if init else None
+    if spec.extend:  # (recorded resolved: a chain of extended runs is followed from any directory)
+        spec.extend = str(Path(spec.extend).resolve())
     if spec.data and spec.extend:
         raise ValueError("data and extend exclude each other: data trains on another run's data as it is, "
                          "extend copies it into this run's data and adds to it")
