@@ -64,6 +64,18 @@ def curves(extra: list[str]) -> dict[str, list[float]]:
     return out
 
 
+def _switch(p0: float, p1: float, tv: list[float], seeds: int, tokens: int, n_max: int) -> dict:
+    """4 generations at acceptance p0, then 4 at p1: the speed over the second half against plain."""
+    xs, bests = [], []
+    for seed in range(seeds):
+        first = policy.iid_traces(p0, 4, tokens, seed, n_max)
+        then = policy.iid_traces(p1, 4, tokens, seed + 100, n_max)
+        both, before = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (first + then, first))
+        xs.append(sum(map(len, then)) * tv[0] / (both - before))
+        bests.append(best_fixed(then, tv, n_max))
+    return {"mean": round(sum(xs) / seeds, 3), "min": round(min(xs), 3), "best_fixed": round(sum(bests) / seeds, 3)}
+
+
 def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
     n_max = min(len(tv) - 1, 15)
     res: dict = {"t_verify_ms": [round(x * 1e3, 2) for x in tv], "n_max": n_max, "p": {}}
@@ -79,23 +91,8 @@ def run_curve(tv: list[float], seeds: int, gens: int, tokens: int) -> dict:
         res["p"][str(p)] = {"warm_mean": round(sum(warm) / seeds, 3), "warm_min": round(min(warm), 3),
                             "cold_mean": round(sum(cold) / seeds, 3), "cold_min": round(min(cold), 3),
                             "best_fixed": round(sum(best) / seeds, 3)}
-    xs, bests = [], []
-    for seed in range(seeds):
-        bad = policy.iid_traces(0.3, 4, tokens, seed, n_max)
-        good = policy.iid_traces(0.9, 4, tokens, seed + 100, n_max)
-        both, first = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (bad + good, bad))
-        xs.append(sum(map(len, good)) * tv[0] / (both - first))
-        bests.append(best_fixed(good, tv, n_max))
-    res["turns_good"] = {"mean": round(sum(xs) / seeds, 3), "best_fixed": round(sum(bests) / seeds, 3)}
-    xs, bests = [], []
-    for seed in range(seeds):
-        good = policy.iid_traces(0.9, 4, tokens, seed, n_max)
-        bad = policy.iid_traces(0.3, 4, tokens, seed + 100, n_max)
-        both, first = (policy.replay(t, tv, [], n_max, passes=1)["seconds"] for t in (good + bad, good))
-        xs.append(sum(map(len, bad)) * tv[0] / (both - first))
-        bests.append(best_fixed(bad, tv, n_max))
-    res["turns_bad"] = {"mean": round(sum(xs) / seeds, 3), "min": round(min(xs), 3),
-                        "best_fixed": round(sum(bests) / seeds, 3)}
+    res["turns_good"] = _switch(0.3, 0.9, tv, seeds, tokens, n_max)
+    res["turns_bad"] = _switch(0.9, 0.3, tv, seeds, tokens, n_max)
     xs, bests = [], []
     for seed in range(seeds):  # each generation another source quality (prompts that quote what follows, or not)
         trs = [policy.iid_traces(p, 1, tokens, seed * 100 + i, n_max)[0] for i, p in enumerate(MIXED)]
