@@ -22,11 +22,12 @@
 // belief says whether a draft would be verified at all; if not, the step is plain, with a probe that
 // verifies one slot now and then (one more after each that passed whole): the wait between probes
 // halves after an accepted one that brings drafting within one more reading, triples after any
-// other, and is reset when drafting pays.  Readings fade: past BLIND_CAP of them, over plain stretches (half every BLIND_HALF steps:
-// a probe after a long one counts), into a new generation (its prior: the mean, as BLIND_START
-// readings), and at once when a probe passes whole where the belief gave it little chance (the text
-// has changed).  Replayed on i.i.d. sources at p = 0 .. 0.9 and on sources that turn good, with the
-// costs of SmolLM2, Qwen2.5-Coder-1.5B and Gemma-3-270M (tests/test_policy.py).
+// other, and is reset when drafting pays.  Readings fade: past BLIND_CAP of them, over plain
+// stretches (half every BLIND_HALF steps: a probe after a long one counts), into a new generation
+// (its prior: the mean, as BLIND_START readings), and at once when a probe passes whole where the
+// belief gave it little chance (the text has changed).  Replayed on i.i.d. sources at p = 0 .. 0.9
+// and on sources that turn good or bad, with measured costs of SmolLM2, Qwen2.5-Coder-1.5B and
+// Gemma-3-270M (tests/test_policy.py, bench/bench_blind.py).
 #include "policy.h"
 
 #include "common.h"
@@ -185,18 +186,6 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
     *probe = false;
     p->probing = false;
     if (n_cap <= 0) return 0;
-    const double R = plain_rate(p);
-    double E = 1.0, prod = 1.0, best_v = -INFINITY;
-    int32_t best_n = 1;
-    for (int32_t n = 1; n <= n_cap; n++) {
-        prod *= next_accept(p, n - 1);
-        E += prod;
-        const double v = E - R * (dflash_policy_t_draft(p, n) + t_rows(p, n + 1));
-        if (v > best_v) {
-            best_v = v;
-            best_n = n;
-        }
-    }
     if (p->blind) {
         // a source without confidences: its draft says nothing new, so what the cut will verify is
         // known now -- a draft it would verify some of, or a plain step (a probe now and then); its
@@ -210,6 +199,18 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
             return n_cap;
         }
         return 0;
+    }
+    const double R = plain_rate(p);
+    double E = 1.0, prod = 1.0, best_v = -INFINITY;
+    int32_t best_n = 1;
+    for (int32_t n = 1; n <= n_cap; n++) {
+        prod *= recent_at(p, n - 1);
+        E += prod;
+        const double v = E - R * (dflash_policy_t_draft(p, n) + t_rows(p, n + 1));
+        if (v > best_v) {
+            best_v = v;
+            best_n = n;
+        }
     }
     // one slot more than the recent acceptance asks for: the cut after the draft may keep it
     const int32_t n = best_n + 1 < n_cap ? best_n + 1 : n_cap;

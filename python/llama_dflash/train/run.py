@@ -34,7 +34,7 @@ from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses, index_shared, top_k_coverage
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features, with_feature_scale
 from .prompts import DEFAULT_SOURCES, check_sources, training_prompts
-from .store import FORMATS
+from .store import FORMATS, RowStore, StoreMismatch
 
 
 @dataclass
@@ -171,26 +171,26 @@ def _data_source(spec: RunSpec, what: str = "data") -> Path:
     if what == "extend":
         if not (src / "data" / "responses.jsonl").is_file():
             raise ValueError(f"extend {src}: no responses there yet")
-        _check_target(src, pspec, spec)
+        _check_target(src, what, pspec, spec, rows=src / "data" / "rows")
     return src / "data"
 
 
-def _check_target(src: Path, pspec: dict, spec: RunSpec) -> None:
-    """One line unless run `src` (settings pspec) made its data for this run's target: its rows' capture
-    id, or before it has rows, the target file it names."""
-    from .data import DataSpec, _capture_id
+def _check_target(src: Path, what: str, pspec: dict, spec: RunSpec, rows: Path | None = None) -> None:
+    """One line unless run `src` (settings pspec) was made for this run's target: the capture id of its
+    row store `rows` where it has one, else that of the target file it names (which must be there)."""
+    from .data import _capture_id
 
-    meta = src / "data" / "rows" / "meta.json"
     try:
-        theirs = json.loads(meta.read_text()).get("capture") if meta.is_file() else None
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        theirs = RowStore.open(rows).meta["capture"] if rows is not None and (rows / "meta.json").is_file() else None
+    except (StoreMismatch, OSError, ValueError, KeyError, TypeError):
         theirs = None
     if theirs is None:
         if not Path(pspec["target"]).is_file():
-            raise ValueError(f"extend {src}: its target {pspec['target']} is missing (needed to check it is this one)")
+            raise ValueError(f"{what} {src}: its target {pspec['target']} is missing (needed to check it is this one)")
         theirs = _capture_id(DataSpec(pspec["target"], spec.taps))
     if theirs != _capture_id(DataSpec(spec.target, spec.taps)):
-        raise ValueError(f"extend {src}: its data was made for another target ({pspec['target']})")
+        made = "trained" if what == "init" else "its data was made"
+        raise ValueError(f"{what} {src}: {made} for another target ({pspec['target']})")
 
 
 def _extended(spec: RunSpec) -> list[Path]:
@@ -223,8 +223,6 @@ def _init_source(spec: RunSpec, t: dict) -> tuple[dict, dict]:
     """The finished run `spec.init` (what the summary records of it) and its final weights,
     checked to be this drafter shape for the same target before any data is made; or a drafter
     GGUF (`_init_gguf`)."""
-    from .data import DataSpec, _capture_id
-
     src = Path(spec.init)
     if src.suffix == ".gguf" or src.is_file():
         return _init_gguf(spec, src, t)
@@ -235,10 +233,7 @@ def _init_source(spec: RunSpec, t: dict) -> tuple[dict, dict]:
     if other:
         theirs = ", ".join(f"{k}={pspec[k]}" for k in other)
         raise ValueError(f"init {src}: trained with other settings ({theirs})")
-    if not Path(pspec["target"]).is_file():
-        raise ValueError(f"init {src}: its target {pspec['target']} is missing (needed to check it is this one)")
-    if _capture_id(DataSpec(pspec["target"], spec.taps)) != _capture_id(DataSpec(spec.target, spec.taps)):
-        raise ValueError(f"init {src}: trained for another target ({pspec['target']})")
+    _check_target(src, "init", pspec, spec)
     stage, state, steps = final_weights(src, pspec, what="init ")
     held = (prev.get("held_out", {}).get(stage) or [{}])[-1]
     # its responses and features serve this run too when they were made the same way
