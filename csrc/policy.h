@@ -16,7 +16,13 @@ struct dflash_policy {
     double speed;                 // measured / modelled step time (machine drift), EMA
     double t_draft_ext;           // an external draft source's time per draft (no measured curve), EMA
     struct dflash_calibration cal;
-    double recent[DFLASH_MAX_DRAFT]; // the drafter's acceptance of a reached slot per position, EMA (sizes drafts)
+    double recent[DFLASH_MAX_DRAFT]; // the drafter's acceptance of a reached slot per position, EMA (sizes the
+                                     // first drafts; a cut without confidences)
+    // What the cut made of a draft's first m slots (its expected gain over a plain step, the draft's
+    // own time left out), EMA over drafts, m = 1 .. n_valued: sizes drafts once known
+    double value[DFLASH_MAX_DRAFT];
+    int32_t n_valued;
+    int32_t n_drafts;             // the drafter's adaptive drafts (every DRAFT_EXPLORE-th is made whole)
     // A draft source without confidences ("blind"): one chance p that a slot is accepted once the
     // ones before it were, with a Beta(blind_a, blind_b) belief over it from the slots verified
     double blind_a, blind_b;
