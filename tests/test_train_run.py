@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 
 import numpy as np
@@ -30,6 +31,20 @@ from llama_dflash.train.run import run_dataset
 from llama_dflash.verify.reference import DFlashReference
 
 from models import drafter_config
+
+
+@pytest.fixture(scope="module")
+def smoke_run(artifacts, tmp_path_factory):
+    """One finished smoke run, made once for the tests that start from a run (--init, --data,
+    --extend); each works on its own copy (some damage it on purpose)."""
+    out = tmp_path_factory.mktemp("smoke") / "a"
+    assert main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(out), "--json"]) == 0
+    return out
+
+
+def _earlier_run(smoke_run, tmp_path):
+    """The smoke run, copied to tmp_path / "a"."""
+    return shutil.copytree(smoke_run, tmp_path / "a")
 
 
 def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
@@ -110,12 +125,11 @@ def _d2t(path) -> np.ndarray:
     return next(np.array(t.data) for t in GGUFReader(str(path)).tensors if t.name == "d2t")
 
 
-def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
+def test_a_run_can_start_from_an_earlier_run(artifacts, smoke_run, tmp_path, capsys):
     """`--init RUN`: the earlier run's final weights replace v1 and v2 and only the tuning stage
     trains, on this run's (larger) data; incompatible or unfinished runs are refused in one line."""
     target = artifacts["llama"]["target"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    a, b = _earlier_run(smoke_run, tmp_path), tmp_path / "b"
     capsys.readouterr()
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--prompts", "10", "--tune-steps", "4",
                  "--init", str(a), "--json"]) == 0
@@ -165,12 +179,11 @@ def test_a_run_can_start_from_an_earlier_run(artifacts, tmp_path, capsys):
     assert not (tmp_path / "c").exists()  # refused before any data was made
 
 
-def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
+def test_a_run_can_train_on_another_runs_data(artifacts, smoke_run, tmp_path, capsys):
     """`--data RUN`: a sample (--max-sequences) of another run's finished data, which is only read;
     data made otherwise, or not all there, is refused in one line."""
     target = artifacts["llama"]["target"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    a, b = _earlier_run(smoke_run, tmp_path), tmp_path / "b"
     capsys.readouterr()
     before = _files_state(a / "data")
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--max-sequences", "6",
@@ -206,14 +219,13 @@ def test_a_run_can_train_on_another_runs_data(artifacts, tmp_path, capsys):
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("*.pt"))
 
 
-def test_a_run_can_extend_another_runs_data(artifacts, tmp_path, capsys):
+def test_a_run_can_extend_another_runs_data(artifacts, smoke_run, tmp_path, capsys):
     """`--extend RUN`: this run's data starts as a copy of another run's (its responses and rows, byte
     for byte) and generation adds only what it lacks, e.g. for more prompts; the other run's files are
     not touched; data made otherwise, a directory without responses, or --extend with --data are refused
     in one line."""
     target = artifacts["llama"]["target"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    a, b = _earlier_run(smoke_run, tmp_path), tmp_path / "b"
     capsys.readouterr()
     before = _files_state(a / "data")
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--extend", str(a), "--prompts", "10",
@@ -272,7 +284,7 @@ def test_extend_follows_what_the_extended_run_extended(artifacts, tmp_path):
     assert _extended(spec) == [runs["c"] / "data", runs["b"] / "data", runs["a"] / "data"]  # (a cycle ends it)
 
 
-def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
+def test_a_run_can_start_from_a_drafter_file(artifacts, smoke_run, tmp_path, capsys):
     """`--init DRAFTER.gguf`: a drafter file (the shipped one, a converted one) as the starting point:
     dequantized, its feature scale unfolded with this run's (the same function), its draft vocabulary
     kept, only the tuning stage trained (here on another run's data, --data); a file that is not the
@@ -281,8 +293,7 @@ def test_a_run_can_start_from_a_drafter_file(artifacts, tmp_path, capsys):
     from llama_dflash.train.run import RunSpec, _init_source, _target_config
 
     target = artifacts["llama"]["target"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert main(["train", "--smoke", "--target", target, "--out", str(a), "--json"]) == 0
+    a, b = _earlier_run(smoke_run, tmp_path), tmp_path / "b"
     capsys.readouterr()
     src = a / "drafter.gguf"  # f16 matrices (smoke), a 256-token draft vocabulary
     assert main(["train", "--smoke", "--target", target, "--out", str(b), "--data", str(a), "--init", str(src),
