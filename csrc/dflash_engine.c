@@ -544,7 +544,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
                                            err_len);
             pl->n_conf = want && n_drafted > 0 ? n_drafted : 0;
         }
-        if (adaptive && rejection && n_drafted > 0) {  // a sampled slot's confidence: its q
+        if (adaptive && rejection && n_drafted >= 0) {  // a sampled slot's confidence: its q
             conf = conf_buf;
             for (int32_t i = 0; i < n_drafted; i++) {
                 conf[i] = 0.0f;
@@ -963,9 +963,7 @@ void dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * cost
     for (int32_t n = 0; n < c.n_draft; n++) {
         if (!(c.t_draft[n] >= 0.0) || !isfinite(c.t_draft[n])) c.n_draft = 0;
     }
-    e->policy.costs = c;
-    e->policy.have_costs = c.n_rows > 0;
-    e->policy.speed = 1.0;
+    dflash_policy_set_costs(&e->policy, &c);
 }
 
 bool dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * out) {

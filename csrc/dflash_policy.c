@@ -39,6 +39,8 @@
 
 #define DRAFT_EXPLORE 8     // one draft in this many is made as long as allowed ...
 #define VALUE_EMA 0.03      // ... and what the cut makes of a draft's slots is averaged over ~30 drafts
+                            // (slots beyond the usual length learn from the drafts made whole only:
+                            // over ~30 of those; weighted 8x, on the replays drafts grew too long)
 #define GAIN_EMA 0.1        // a state's expected gain while drafting there pays: ~10 drafts, but for
 #define GAIN_EMA_COLD 0.7   // a cold state's (its drafts' streaks), weighted to the newest
 #define PROBE_MAX 64         // plain steps between probes, at most
@@ -63,6 +65,7 @@ void dflash_policy_init(struct dflash_policy * p) {
     p->ep_state = -1;
     p->blind_a = p->blind_b = 1.0;  // uniform: nothing known of a draft source
     p->blind_every = 2;
+    p->explore_in = DRAFT_EXPLORE - 1;
 }
 
 // Scale a draft source's belief down to at most n readings, keeping its mean.
@@ -76,7 +79,15 @@ static void blind_fade(struct dflash_policy * p, double n) {
 
 void dflash_policy_begin(struct dflash_policy * p, bool blind) {
     p->blind = blind;
-    blind_fade(p, BLIND_START);  // (the drafter's recent[] only sizes drafts: kept as it is)
+    // (the drafter's recent[] and values only size its drafts: kept as they are)
+    blind_fade(p, BLIND_START);
+}
+
+void dflash_policy_set_costs(struct dflash_policy * p, const struct dflash_costs * costs) {
+    p->costs = *costs;
+    p->have_costs = costs->n_rows > 0;
+    p->speed = 1.0;
+    p->n_valued[0] = p->n_valued[1] = 0;  // (gains priced on the old curves)
 }
 
 // t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
@@ -196,11 +207,12 @@ static int32_t blind_cut(const struct dflash_policy * p, int32_t n) { return cut
 // Sizing by the recent acceptance drafted 5-6 tokens where the cut verified 1.5 of them; replayed on
 // two drafters' dense traces of HumanEval (bench/bench_policy.py) this drafts ~4 (one draft in
 // DRAFT_EXPLORE of n_max included), and with GAIN_EMA gained 3-6 %.
-static int32_t draft_size(const struct dflash_policy * p, int32_t n_cap) {
-    const double R = plain_rate(p);
+static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
+    const double R = plain_rate(p);  // (as the gate charges a draft's time: dflash_policy_choose)
+    const int32_t j = p->base_rows > 0;
     double best_v = -INFINITY;
     int32_t best_n = 1;
-    if (p->n_valued == 0) {
+    if (p->n_valued[j] == 0) {
         // nothing known yet: the recent acceptance, one slot more (the cut may keep it)
         double E = 1.0, prod = 1.0;
         for (int32_t n = 1; n <= n_cap; n++) {
@@ -214,15 +226,14 @@ static int32_t draft_size(const struct dflash_policy * p, int32_t n_cap) {
         }
         return best_n + 1 < n_cap ? best_n + 1 : n_cap;
     }
-    if (p->n_drafts % DRAFT_EXPLORE == DRAFT_EXPLORE - 1) return n_cap;
-    for (int32_t m = 1; m <= n_cap && m <= p->n_valued; m++) {
-        const double v = p->value[m - 1] - R * dflash_policy_t_draft(p, m);
+    for (int32_t m = 1; m <= n_cap && m <= p->n_valued[j]; m++) {
+        const double v = p->value[j][m - 1] - R * dflash_policy_t_draft(p, m);
         if (v > best_v) {
             best_v = v;
             best_n = m;
         }
     }
-    return best_n;
+    return p->explore_in == 0 ? n_cap : best_n;
 }
 
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
@@ -261,12 +272,14 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     if (!p->blind && conf) {
         // what the cut made of the first m slots of the n_made asked for (the drafter returned n: it
         // stopped where its own p_min or a grammar did, and slots beyond add nothing)
+        const int32_t j = p->base_rows > 0;
+        double * val = p->value[j];
         for (int32_t m = 1; m <= n_made && m <= DFLASH_MAX_DRAFT; m++) {
             const double v = n >= 1 ? upto[(m < n ? m : n) - 1] : 0.0;
-            p->value[m - 1] = m > p->n_valued ? v : p->value[m - 1] + VALUE_EMA * (v - p->value[m - 1]);
+            val[m - 1] = m > p->n_valued[j] ? v : val[m - 1] + VALUE_EMA * (v - val[m - 1]);
         }
-        if (n_made > p->n_valued) p->n_valued = n_made < DFLASH_MAX_DRAFT ? n_made : DFLASH_MAX_DRAFT;
-        p->n_drafts++;
+        if (n_made > p->n_valued[j]) p->n_valued[j] = n_made < DFLASH_MAX_DRAFT ? n_made : DFLASH_MAX_DRAFT;
+        p->explore_in = p->explore_in > 0 ? p->explore_in - 1 : DRAFT_EXPLORE - 1;
     }
     // without confidences only verified slots teach anything: a probe (or the very first draft)
     // verifies one at least, even where the belief says it does not pay
@@ -433,6 +446,7 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
 
 void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal) {
     p->cal = *cal;
+    p->n_valued[0] = p->n_valued[1] = 0;  // (the cut's values under the old calibration)
     for (int32_t i = 0; i < DFLASH_CAL_POS; i++) {
         for (int32_t b = 0; b < DFLASH_CAL_BINS; b++) {  // counts: finite, >= 0, accepted <= reached
             float r = p->cal.reached[i][b], a = p->cal.accepted[i][b];
@@ -510,8 +524,7 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
     }
     struct dflash_policy p;
     dflash_policy_init(&p);
-    p.costs = *costs;
-    p.have_costs = true;
+    dflash_policy_set_costs(&p, costs);
     if (cal) dflash_policy_set_calibration(&p, cal);
     float expected[DFLASH_MAX_DRAFT];
     for (int32_t pass = 0; pass < passes; pass++) {

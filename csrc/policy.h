@@ -19,10 +19,11 @@ struct dflash_policy {
     double recent[DFLASH_MAX_DRAFT]; // the drafter's acceptance of a reached slot per position, EMA (sizes the
                                      // first drafts; a cut without confidences)
     // What the cut made of a draft's first m slots (its expected gain over a plain step, the draft's
-    // own time left out), EMA over drafts, m = 1 .. n_valued: sizes drafts once known
-    double value[DFLASH_MAX_DRAFT];
-    int32_t n_valued;
-    int32_t n_drafts;             // the drafter's adaptive drafts (every DRAFT_EXPLORE-th is made whole)
+    // own time left out), EMA over drafts, m = 1 .. n_valued: sizes drafts once known; [0] alone,
+    // [1] in a joint batch (its rows are priced otherwise)
+    double value[2][DFLASH_MAX_DRAFT];
+    int32_t n_valued[2];
+    int32_t explore_in;           // drafts until the next one made whole (DRAFT_EXPLORE)
     // A draft source without confidences ("blind"): one chance p that a slot is accepted once the
     // ones before it were, with a Beta(blind_a, blind_b) belief over it from the slots verified
     double blind_a, blind_b;
@@ -61,6 +62,8 @@ void   dflash_policy_init(struct dflash_policy * p);
 // or not), so what was learnt of it is kept only as a prior.
 void   dflash_policy_begin(struct dflash_policy * p, bool blind);
 void   dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal);
+// New cost curves (seconds at speed 1): what was learnt in the old ones' terms is dropped.
+void   dflash_policy_set_costs(struct dflash_policy * p, const struct dflash_costs * costs);
 // Seconds of a verify batch of k rows / a draft of n tokens, as the model predicts them now.
 double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k);
 double dflash_policy_t_draft(const struct dflash_policy * p, int32_t n);
