@@ -182,7 +182,8 @@ static double rate_to_beat(const struct dflash_policy * p) {
 static int32_t cut_at(const struct dflash_policy * p, const float * conf, int32_t n, float * expected, double * e,
                       double * upto) {
     const double R = rate_to_beat(p);
-    double E = 1.0, prod = 1.0, best_v = 1.0 - R * t_rows(p, 1), best_e = 1.0;
+    const double v0 = 1.0 - R * t_rows(p, 1);  // a plain step's
+    double E = 1.0, prod = 1.0, best_v = v0, best_e = 1.0;
     int32_t best_k = 0;
     for (int32_t k = 1; k <= n; k++) {
         prod *= conf ? cal_accept(p, k - 1, conf[k - 1]) : next_accept(p, k - 1);
@@ -194,7 +195,7 @@ static int32_t cut_at(const struct dflash_policy * p, const float * conf, int32_
             best_k = k;
             best_e = E;
         }
-        if (upto) upto[k - 1] = best_v - (1.0 - R * t_rows(p, 1));
+        if (upto) upto[k - 1] = best_v - v0;
     }
     if (e) *e = best_e;
     return best_k;
