@@ -312,7 +312,8 @@ struct dflash_engine_params {
     bool     grammar_drafts;
     bool     grammar_argmax;
     int32_t  n_min;        /* a draft shorter than this (after p_min / grammar cuts) is dropped:
-                              the step verifies the anchor alone (0 = keep every draft) */
+                              the step verifies the anchor alone (0 = keep every draft); an adaptive
+                              step's cut keeps none shorter */
     bool     adaptive;     /* choose each step's draft length in 0..n_draft from the cost model and the
                               calibrated confidence of the drafted slots (see dflash_engine_set_costs) */
     bool     canonical_prefill; /* a prompt's KV as a fresh prefill computes it, whatever the cache held:

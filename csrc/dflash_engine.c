@@ -503,6 +503,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     const bool adaptive = params->adaptive && n > 0;
     bool probe = false;
     e->policy.base_rows = base_rows;
+    e->policy.n_min = params->n_min;
     if (adaptive) n = dflash_policy_plan(&e->policy, n, &probe);
     float * conf_buf = pl->conf_buf;
     float * conf = NULL;  // each drafted slot's confidence, when the drafter gives one
@@ -569,7 +570,9 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
             st->grammar_skipped += gf->n_skipped;
             llama_sampler_free(gf->ud);
         }
-        if (n_drafted < params->n_min) n_drafted = 0; // too short to pay for its verification
+        // too short to pay for its verification (an adaptive step's cut keeps none shorter, and learns
+        // what the longer ones it could have kept were worth)
+        if (!adaptive && n_drafted < params->n_min) n_drafted = 0;
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);

@@ -190,7 +190,7 @@ static int32_t cut_at(const struct dflash_policy * p, const float * conf, int32_
         E += prod;
         if (expected) expected[k - 1] = (float) prod;
         const double v = E - R * t_rows(p, k + 1);
-        if (v > best_v) {
+        if (v > best_v && k >= p->n_min) {  // (shorter than n_min: not an option)
             best_v = v;
             best_k = k;
             best_e = E;
@@ -211,23 +211,24 @@ static int32_t blind_cut(const struct dflash_policy * p, int32_t n) { return cut
 static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
     const double R = plain_rate(p);  // (as the gate charges a draft's time: dflash_policy_choose)
     const int32_t j = p->base_rows > 0;
+    const int32_t lo = p->n_min > 1 ? p->n_min : 1;  // (n_cap >= lo: dflash_policy_plan)
     double best_v = -INFINITY;
-    int32_t best_n = 1;
-    if (p->n_valued[j] == 0) {
+    int32_t best_n = lo;
+    if (p->n_valued[j] < lo) {
         // nothing known yet: the recent acceptance, one slot more (the cut may keep it)
         double E = 1.0, prod = 1.0;
         for (int32_t n = 1; n <= n_cap; n++) {
             prod *= recent_at(p, n - 1);
             E += prod;
             const double v = E - R * (dflash_policy_t_draft(p, n) + t_rows(p, n + 1));
-            if (v > best_v) {
+            if (v > best_v && n >= lo) {
                 best_v = v;
                 best_n = n;
             }
         }
         return best_n + 1 < n_cap ? best_n + 1 : n_cap;
     }
-    for (int32_t m = 1; m <= n_cap && m <= p->n_valued[j]; m++) {
+    for (int32_t m = lo; m <= n_cap && m <= p->n_valued[j]; m++) {
         const double v = p->value[j][m - 1] - R * dflash_policy_t_draft(p, m);
         if (v > best_v) {
             best_v = v;
@@ -240,7 +241,7 @@ static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
     *probe = false;
     p->probing = false;
-    if (n_cap <= 0) return 0;
+    if (n_cap <= 0 || n_cap < p->n_min) return 0;  // (no draft it may verify)
     if (p->blind) {
         // a source without confidences: its draft says nothing new, so what the cut will verify is
         // known now -- a draft it would verify some of, or a plain step (a probe now and then); its
@@ -284,10 +285,11 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     }
     // without confidences only verified slots teach anything: a probe (or the very first draft)
     // verifies one at least, even where the belief says it does not pay
-    if (p->blind && best_k == 0 && n >= 1 && (p->probing || !p->blind_known)) {
+    if (p->blind && best_k == 0 && n >= 1 && n >= p->n_min && (p->probing || !p->blind_known)) {
         // (one slot more after each probe that passed whole: a source that keeps passing is learnt
-        // faster, and its accepted slots are tokens)
+        // faster, and its accepted slots are tokens; n_min slots at least)
         best_k = 1 + p->probe_run < n ? 1 + p->probe_run : n;
+        if (best_k < p->n_min) best_k = p->n_min;
         double prod = 1.0;
         best_e = 1.0;
         for (int32_t i = 0; i < best_k; i++) best_e += (prod *= next_accept(p, i));

@@ -54,6 +54,8 @@ struct dflash_policy {
                                   // sequences' rows cost more than one's: attention per sequence, masks)
     bool split_ubatches;          // a KV stream per sequence: llama.cpp decodes a joint batch as ubatches of
                                   // equal rows per sequence, so rows beyond the others' take decodes of their own
+    int32_t n_min;                // the engine's n_min: a cut verifies no draft shorter (0: any length), and
+                                  // drafts are sized at least this long
 };
 
 void   dflash_policy_init(struct dflash_policy * p);

@@ -417,3 +417,29 @@ def test_replay_times_steps_on_the_given_curves():
     assert r["steps"] == free["steps"] and r["made"] == free["made"], (r, free)
     # each committed row is injected at most once (by the draft after it)
     assert 0.0 < r["seconds"] - free["seconds"] <= inj * 128 * 10 + 1e-12, (r, free)
+
+
+def test_adaptive_drafts_honour_n_min(artifacts, cache):
+    """draft_n_min holds under adaptive drafting too: the cut verifies no draft shorter than it
+    (before, the policy cut after the engine's check, and its first drafts verified one slot), and a
+    source that is always right is still drafted long; output unchanged."""
+    import llama_cpp
+
+    a = artifacts["llama"]
+    prompt = "Once upon a time"
+    base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    want = base.create_completion(prompt, max_tokens=60, temperature=0.0)["choices"][0]["text"]
+    ref = base.tokenize(prompt.encode()) + base.tokenize(want.encode(), add_bos=False)
+    base.close()
+    spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_min=4,
+                              speculation="auto")
+    spec.draft_source = lambda hist, n: [ref[len(hist) + i] if len(hist) + i < len(ref) else 0 for i in range(n)]
+    try:
+        for _ in range(2):
+            got = spec.create_completion(prompt, max_tokens=60, temperature=0.0)
+            assert got["choices"][0]["text"] == want
+            s = spec.last_speculative_stats
+            assert s.adaptive and s.drafted > 0, s
+            assert sum(s.lengths[1:4]) == 0, s.lengths  # nothing verified shorter than n_min
+    finally:
+        spec.close()
