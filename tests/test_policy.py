@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import llama_cpp
 import pytest
 
 import llama_dflash
@@ -422,9 +423,7 @@ def test_replay_times_steps_on_the_given_curves():
 def test_adaptive_drafts_honour_n_min(artifacts, cache):
     """draft_n_min holds under adaptive drafting too: the cut verifies no draft shorter than it
     (before, the policy cut after the engine's check, and its first drafts verified one slot), and a
-    source that is always right is still drafted long; output unchanged."""
-    import llama_cpp
-
+    source that is always right is still drafted, n_min tokens or more; output unchanged."""
     a = artifacts["llama"]
     prompt = "Once upon a time"
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
