@@ -62,7 +62,7 @@ def main() -> None:
               f"acceptance {rows[key]['acceptance'][:4]}")
     res = {"command": "python3 bench/bench_drafters.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "problems": a.problems,
-           "tokens": a.tokens, "a": Path(a.a).name, "b": Path(a.b).name, "rows": rows}
+           "tokens": a.tokens, "a": a.a, "b": a.b, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 

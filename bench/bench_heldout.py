@@ -3,7 +3,8 @@
 Each run's own summary says how it did on its own held-out set; sets differ between runs
 (more prompts or more sampled responses add held-out sequences), so comparing two drafters
 takes scoring both on the same one.  Every drafter is scored in the draft vocabulary it was
-trained and shipped with (chosen again from its own run's training data, as the run did).
+trained and shipped with (its drafter file's d2t; chosen again from its run's training data only
+where the run wrote none).
 
 Usage: python bench/bench_heldout.py --on RUN_DIR RUN_DIR [RUN_DIR ...]
                                      [--out bench/results/heldout.json]
@@ -22,7 +23,15 @@ import torch
 
 from llama_dflash.formats.gguf import read_tensors
 from llama_dflash.train.loop import evaluate_source
-from llama_dflash.train.run import RunSpec, _draft_vocab, _target_config, drafter_config, final_weights, run_dataset
+from llama_dflash.train.run import (
+    RunSpec,
+    _draft_vocab,
+    _run_vocab,
+    _target_config,
+    drafter_config,
+    final_weights,
+    run_dataset,
+)
 from llama_dflash.verify.reference import DFlashReference
 
 
@@ -55,7 +64,12 @@ def main() -> None:
         emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
         vocab = None
         if 0 < spec.draft_vocab < tinfo["n_vocab"]:
-            vocab = torch.as_tensor(_draft_vocab(run_dataset(run), spec, tinfo["n_vocab"]))
+            # the d2t of the run's own drafter file: a run continued with --init keeps its start's
+            # vocabulary, which its own data would not choose again
+            keep = _run_vocab(run, json.loads((run / "summary.json").read_text()), spec.draft_vocab)
+            if keep is None:
+                keep = _draft_vocab(run_dataset(run), spec, tinfo["n_vocab"])
+            vocab = torch.as_tensor(keep)
         head = (emb if vocab is None else emb[vocab]).to(torch.bfloat16)  # as the Trainer scores it
         m = evaluate_source(model, on, on.val_ids, emb, head, vocab=vocab)
         rows.append({"run": str(run), "stage": stage, "draft_vocab": spec.draft_vocab, **m,
