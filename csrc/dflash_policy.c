@@ -175,6 +175,9 @@ static double rate_to_beat(const struct dflash_policy * p) {
     return p->have_costs && p->base_rows == 0 && p->rate > R0 ? p->rate : R0;
 }
 
+// The shortest draft the engine may verify: one slot, or n_min when that is larger.
+static int32_t min_draft(const struct dflash_policy * p) { return p->n_min > 1 ? p->n_min : 1; }
+
 // How many of n drafted slots the cut keeps: the k with the most expected committed tokens net of
 // its rows' time; a(i) = conf ? calibrated : recent acceptance.  expected (may be NULL) receives the
 // chance that slots 0..i are all accepted, *e the expected tokens committed at the chosen k; upto (may
@@ -211,7 +214,7 @@ static int32_t blind_cut(const struct dflash_policy * p, int32_t n) { return cut
 static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
     const double R = plain_rate(p);  // (as the gate charges a draft's time: dflash_policy_choose)
     const int32_t j = p->base_rows > 0;
-    const int32_t lo = p->n_min > 1 ? p->n_min : 1;  // (n_cap >= lo: dflash_policy_plan)
+    const int32_t lo = min_draft(p);  // (n_cap >= lo: dflash_policy_plan)
     double best_v = -INFINITY;
     int32_t best_n = lo;
     if (p->n_valued[j] < lo) {
@@ -241,7 +244,7 @@ static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
     *probe = false;
     p->probing = false;
-    if (n_cap <= 0 || n_cap < p->n_min) return 0;  // (no draft it may verify)
+    if (n_cap < min_draft(p)) return 0;  // (no draft it may verify)
     if (p->blind) {
         // a source without confidences: its draft says nothing new, so what the cut will verify is
         // known now -- a draft it would verify some of, or a plain step (a probe now and then); its
@@ -285,7 +288,7 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
     }
     // without confidences only verified slots teach anything: a probe (or the very first draft)
     // verifies one at least, even where the belief says it does not pay
-    if (p->blind && best_k == 0 && n >= 1 && n >= p->n_min && (p->probing || !p->blind_known)) {
+    if (p->blind && best_k == 0 && n >= min_draft(p) && (p->probing || !p->blind_known)) {
         // (one slot more after each probe that passed whole: a source that keeps passing is learnt
         // faster, and its accepted slots are tokens; n_min slots at least)
         best_k = 1 + p->probe_run < n ? 1 + p->probe_run : n;
