@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -77,7 +78,8 @@ def main() -> None:
         print(f"{run}: block tau {m['block_tau']:.3f}  path tau {m.get('path_tau', 0):.3f}  "
               f"per-slot {m['per_slot_accuracy']}")
     greedy = int((on.index[on.val_ids, 3] == 0).sum())
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "on": str(a.on), "held_out_sequences": len(on.val_ids),
+    res = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "on": str(a.on),
+           "held_out_sequences": len(on.val_ids),
            "greedy": greedy, "sampled": len(on.val_ids) - greedy, "results": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
