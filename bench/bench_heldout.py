@@ -51,6 +51,26 @@ def final_drafter(run: Path) -> tuple[DFlashReference, str, RunSpec, dict]:
     return model.eval(), stage, spec, tinfo
 
 
+def score_run(run: Path, on, ids=None) -> dict:
+    """The run's final drafter on the held-out sequences of the dataset `on` (or its sequences `ids`),
+    in its own vocabulary."""
+    t0 = time.time()
+    model, stage, spec, tinfo = final_drafter(run)
+    emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
+    vocab = None
+    if 0 < spec.draft_vocab < tinfo["n_vocab"]:
+        # the d2t of the run's own drafter file: a run continued with --init keeps its start's
+        # vocabulary, which its own data would not choose again
+        keep = _run_vocab(run, json.loads((run / "summary.json").read_text()), spec.draft_vocab)
+        if keep is None:
+            keep = _draft_vocab(run_dataset(run), spec, tinfo["n_vocab"])
+        vocab = torch.as_tensor(keep)
+    head = (emb if vocab is None else emb[vocab]).to(torch.bfloat16)  # as the Trainer scores it
+    m = evaluate_source(model, on, on.val_ids if ids is None else ids, emb, head, vocab=vocab)
+    return {"run": str(run), "stage": stage, "draft_vocab": spec.draft_vocab, **m,
+            "seconds": round(time.time() - t0, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--on", required=True, help="the run whose held-out sequences score every drafter")
@@ -60,21 +80,8 @@ def main() -> None:
     on = run_dataset(a.on)
     rows = []
     for run in map(Path, a.runs):
-        t0 = time.time()
-        model, stage, spec, tinfo = final_drafter(run)
-        emb = torch.from_numpy(np.array(read_tensors(spec.target, ["token_embd.weight"])["token_embd.weight"]))
-        vocab = None
-        if 0 < spec.draft_vocab < tinfo["n_vocab"]:
-            # the d2t of the run's own drafter file: a run continued with --init keeps its start's
-            # vocabulary, which its own data would not choose again
-            keep = _run_vocab(run, json.loads((run / "summary.json").read_text()), spec.draft_vocab)
-            if keep is None:
-                keep = _draft_vocab(run_dataset(run), spec, tinfo["n_vocab"])
-            vocab = torch.as_tensor(keep)
-        head = (emb if vocab is None else emb[vocab]).to(torch.bfloat16)  # as the Trainer scores it
-        m = evaluate_source(model, on, on.val_ids, emb, head, vocab=vocab)
-        rows.append({"run": str(run), "stage": stage, "draft_vocab": spec.draft_vocab, **m,
-                     "seconds": round(time.time() - t0, 1)})
+        rows.append(score_run(run, on))
+        m = rows[-1]
         print(f"{run}: block tau {m['block_tau']:.3f}  path tau {m.get('path_tau', 0):.3f}  "
               f"per-slot {m['per_slot_accuracy']}")
     greedy = int((on.index[on.val_ids, 3] == 0).sum())

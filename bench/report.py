@@ -342,6 +342,29 @@ def heldout() -> list[str]:
     return out + [""]
 
 
+def datasize() -> list[str]:
+    """datasize.json: one start and tuning budget on growing samples of one data set."""
+    if not (HERE / "datasize.json").is_file():
+        return []
+    d = _load("datasize.json")
+    out = ["### The data-size curve", "", _source(d["command"], d["date"], "datasize.json"),
+           f"From `{d['init']}`, {d['tune_steps']} tuning steps (`--distill {d['distill']}`) on samples of "
+           f"`{d['data']}`'s data; scored on {d['scored_sequences']} {d['scored_on']} sequences of that data (same "
+           f"anchors for all) and on the first {d['problems']} HumanEval problems, greedy, {d['tokens']} tokens:", "",
+           "| sequences | response tokens | block τ | DFlash2 path τ | HumanEval τ chat n = 3 / 7 | raw n = 3 / 7 |",
+           "|---|---|---|---|---|---|"]
+    for p in d["points"]:
+        h, he = p["held_out"], p.get("humaneval", {})
+
+        def tau(k: str, he: dict = he) -> str:
+            return f"{he[k]['tau']:.2f}" if k in he else "—"
+
+        out.append(f"| {p['data'].get('train_sequences')} | {p['data'].get('response_tokens')} | "
+                   f"{h['block_tau']:.3f} | {h.get('path_tau', 0):.3f} | {tau('chat/n=3')} / {tau('chat/n=7')} | "
+                   f"{tau('raw/n=3')} / {tau('raw/n=7')} |")
+    return out + [""]
+
+
 # ---------------------------------------------------------------------------------------------
 # data.json / distill.json: the training data pipeline
 
@@ -784,6 +807,7 @@ def render() -> str:
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
     body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *drafters(), *heldout(),
+            *datasize(),
             *dropin(), *exact(), *adaptive(), *blind(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
