@@ -36,8 +36,9 @@ _SAME = ("prompts", "max_new", "sampled_every", "samples", "seed", "feature_form
 def train_point(a, spec: dict, size: int) -> Path:
     out = Path(a.out_dir) / (f"n{size}" if size else "all")
     cmd = ["llama-dflash", "train", "--out", str(out), "--target", spec["target"], "--data", str(a.data),
-           "--init", str(a.init), "--max-sequences", str(size), "--tune-steps", str(a.tune_steps),
-           "--distill", str(a.distill)]
+           "--init", str(a.init), "--max-sequences", str(size), "--distill", str(a.distill)]
+    if a.tune_steps is not None:  # (under --smoke: its own few steps unless given)
+        cmd += ["--tune-steps", str(a.tune_steps)]
     if spec.get("prompt_sources"):  # (None: the default sources)
         cmd += ["--prompt-sources", ",".join(spec["prompt_sources"])]
     for k in _SAME:
@@ -56,13 +57,16 @@ def main() -> None:
     ap.add_argument("--init", required=True, help="the common start: a drafter GGUF or a finished run")
     ap.add_argument("--out-dir", required=True, help="where the points' run directories go")
     ap.add_argument("--sizes", default="4980,10000,0", help="--max-sequences of each point (0 = all)")
-    ap.add_argument("--tune-steps", type=int, default=4000)
+    ap.add_argument("--tune-steps", type=int, default=None, help="tuning steps of every point (default 4000; "
+                    "--smoke's own with --smoke)")
     ap.add_argument("--distill", type=float, default=0.5)
     ap.add_argument("--problems", type=int, default=20, help="HumanEval problems (0: held-out metrics only)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="the points train with --smoke's tiny settings")
     ap.add_argument("--out", default="bench/results/datasize.json")
     a = ap.parse_args()
+    if a.tune_steps is None and not a.smoke:
+        a.tune_steps = 4000
     spec = summary_of(a.data)["spec"]
     on = run_dataset(a.data)
     # (a smoke-sized data set may hold no held-out sequence: its first training ones then, as a run does)
@@ -83,8 +87,9 @@ def main() -> None:
                              a.problems, a.tokens, auto=False)
         for i, p in enumerate(points):
             p["humaneval"] = {k.split("/", 1)[1]: v for k, v in rows.items() if k.split("/", 1)[0] == f"p{i}"}
+    steps = summary_of(points[0]["run"])["spec"]["tune_steps"] if points else a.tune_steps  # (--smoke's own)
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "data": str(a.data), "init": str(a.init), "tune_steps": a.tune_steps, "distill": a.distill,
+           "data": str(a.data), "init": str(a.init), "tune_steps": steps, "distill": a.distill,
            "scored_sequences": len(ids), "scored_on": scored_on, "problems": a.problems, "tokens": a.tokens,
            "points": points}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
