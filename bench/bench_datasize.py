@@ -71,11 +71,12 @@ def main() -> None:
     on = run_dataset(a.data)
     # (a smoke-sized data set may hold no held-out sequence: its first training ones then, as a run does)
     ids, scored_on = (on.val_ids, "held-out") if len(on.val_ids) else (on.train_ids[:8], "training (none held out)")
-    points = []
+    points, steps = [], a.tune_steps
     for size in (int(x) for x in a.sizes.split(",")):
         t0 = time.time()
         run = train_point(a, spec, size)
         s = summary_of(run)
+        steps = s["spec"]["tune_steps"]  # (under --smoke: its own)
         points.append({"max_sequences": size, "run": str(run), "data": s["data"], "wall_s": s["wall_s"],
                        "held_out": score_run(run, on, ids), "seconds": round(time.time() - t0, 1)})
         h = points[-1]["held_out"]
@@ -87,7 +88,6 @@ def main() -> None:
                              a.problems, a.tokens, auto=False)
         for i, p in enumerate(points):
             p["humaneval"] = {k.split("/", 1)[1]: v for k, v in rows.items() if k.split("/", 1)[0] == f"p{i}"}
-    steps = summary_of(points[0]["run"])["spec"]["tune_steps"] if points else a.tune_steps  # (--smoke's own)
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "data": str(a.data), "init": str(a.init), "tune_steps": steps, "distill": a.distill,
            "scored_sequences": len(ids), "scored_on": scored_on, "problems": a.problems, "tokens": a.tokens,

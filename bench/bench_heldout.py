@@ -80,8 +80,8 @@ def main() -> None:
     on = run_dataset(a.on)
     rows = []
     for run in map(Path, a.runs):
-        rows.append(score_run(run, on))
-        m = rows[-1]
+        m = score_run(run, on)
+        rows.append(m)
         print(f"{run}: block tau {m['block_tau']:.3f}  path tau {m.get('path_tau', 0):.3f}  "
               f"per-slot {m['per_slot_accuracy']}")
     greedy = int((on.index[on.val_ids, 3] == 0).sum())

@@ -317,9 +317,7 @@ def drafters() -> list[str]:
 def heldout() -> list[str]:
     d = _load("heldout.json")
     out = ["### Held-out metrics of the training runs", "",
-           _source(d["command"], d["date"], "heldout.json") if "command" in d else
-           f"`python3 bench/bench_heldout.py --on RUN_DIR RUN_DIR ...` → `bench/results/heldout.json`, recorded "
-           f"{d['date']} (the json records `--on {d['on']}` but not the whole command line).",
+           _source(d["command"], d["date"], "heldout.json"),
            f"Each run's final drafter scored on the held-out sequences of `{d['on']}` ({d['held_out_sequences']}: "
            f"{d['greedy']} greedy, {d['sampled']} sampled), same anchors for all, each in its own draft vocabulary "
            "(metrics: docs/architecture.md §6.6):", "",
