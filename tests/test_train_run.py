@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -447,6 +448,8 @@ def test_training_prompts_hold_out_humaneval():
     assert all(overlaps_humaneval(p["prompt"], names, lines) for p in problems)
     assert {p.source for p in train} == {"stdlib-code", "authored-code", "authored-general"}
     assert not any(re.search(r" at 0x[0-9a-fA-F]+", p.text) for p in train)  # the same text in every process
+    assert not any(sys.executable in p.text for p in train)  # ... and on every machine
+    assert any("def architecture(executable=sys.executable," in p.text for p in train)
 
 
 def test_package_and_raw_completion_prompt_sources(artifacts):

@@ -30,6 +30,7 @@ import inspect
 import json
 import random
 import re
+import sys
 import textwrap
 import warnings
 from dataclasses import dataclass
@@ -103,7 +104,6 @@ def _stdlib_functions() -> list[tuple[str, str, str]]:
     functions (torch replaces inspect.getfile), which would change the list and, through
     the shuffle, the whole training mix."""
     import subprocess
-    import sys
 
     code = "import json, llama_dflash.train.prompts as p; print(json.dumps(p._collect_stdlib_functions()))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -135,7 +135,7 @@ def stdlib_prompts() -> list[Prompt]:
 
 PACKAGES = ("numpy", "scipy", "sympy", "networkx", "mpmath")
 _PER_PACKAGE = 1500  # at most this many functions of one package (sympy alone documents several thousand)
-_COLLECTOR = 2       # the collector's version (part of its cache key)
+_COLLECTOR = 3       # the collector's version (part of its cache key)
 
 
 def package_licences() -> dict[str, str]:
@@ -161,7 +161,6 @@ def _package_functions() -> list[tuple[str, str, str]]:
     import hashlib
     import importlib.metadata as md
     import subprocess
-    import sys
 
     from ..cache import cache_dir
 
@@ -223,8 +222,10 @@ def _documented(mod, seen: set[str], trim) -> list[tuple[str, str, str]]:
         doc = inspect.getdoc(fn)
         if not doc or len(doc) < 40:
             continue
-        try:  # (a default's repr may hold its address: dropped, so that prompts are the same every run)
-            sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn)))
+        try:  # (a default's repr may hold its address: dropped, so that prompts are the same every run;
+            # or this interpreter's path, platform.architecture's: named, so that they are the same on every machine)
+            sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn))).replace(repr(sys.executable),
+                                                                                       "sys.executable")
         except (TypeError, ValueError):
             continue
         q = f"{mod.__name__}.{name}"
