@@ -351,15 +351,15 @@ def datasize() -> list[str]:
            f"anchors for all) and on the first {d['problems']} HumanEval problems, greedy, {d['tokens']} tokens:", "",
            "| sequences | response tokens | block τ | DFlash2 path τ | HumanEval τ chat n = 3 / 7 | raw n = 3 / 7 |",
            "|---|---|---|---|---|---|"]
+
+    def tau(he: dict, k: str) -> str:
+        return f"{he[k]['tau']:.2f}" if k in he else "—"
+
     for p in d["points"]:
         h, he = p["held_out"], p.get("humaneval", {})
-
-        def tau(k: str, he: dict = he) -> str:
-            return f"{he[k]['tau']:.2f}" if k in he else "—"
-
         out.append(f"| {p['data'].get('train_sequences')} | {p['data'].get('response_tokens')} | "
-                   f"{h['block_tau']:.3f} | {h.get('path_tau', 0):.3f} | {tau('chat/n=3')} / {tau('chat/n=7')} | "
-                   f"{tau('raw/n=3')} / {tau('raw/n=7')} |")
+                   f"{h['block_tau']:.3f} | {h.get('path_tau', 0):.3f} | "
+                   f"{tau(he, 'chat/n=3')} / {tau(he, 'chat/n=7')} | {tau(he, 'raw/n=3')} / {tau(he, 'raw/n=7')} |")
     return out + [""]
 
 

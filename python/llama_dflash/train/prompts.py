@@ -222,12 +222,13 @@ def _documented(mod, seen: set[str], trim) -> list[tuple[str, str, str]]:
         doc = inspect.getdoc(fn)
         if not doc or len(doc) < 40:
             continue
-        try:  # (a default's repr may hold its address: dropped, so that prompts are the same every run;
-            # or this interpreter's path, platform.architecture's: named, so that they are the same on every machine)
-            sig = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn))).replace(repr(sys.executable),
-                                                                                       "sys.executable")
+        try:
+            sig = str(inspect.signature(fn))
         except (TypeError, ValueError):
             continue
+        # a default's repr may hold its address (dropped: the same prompts every run) or this interpreter's
+        # path (platform.architecture's; named: the same prompts on every machine)
+        sig = re.sub(r" at 0x[0-9a-fA-F]+", "", sig).replace(repr(sys.executable), "sys.executable")
         q = f"{mod.__name__}.{name}"
         if q in seen or len(sig) > 160:
             continue
