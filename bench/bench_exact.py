@@ -1,18 +1,24 @@
 """Exact mode, measured: which kernels are batch-invariant, what exact mode costs, identity counts.
 
-Three parts (each can run alone):
+Four parts (each can run alone):
 
 - ``invariance``: SmolLM2-135M requantized to every type below; for each, with the default
-  settings (repacked weights, no flash attention) and with exact mode's (core.exact.EXACT_SETTINGS),
+  settings (repacked weights, no flash attention) and with exact mode's in either weight layout
+  (flash attention; llama.cpp's repacked CPU weights or the plain layout: core.exact.settings),
   whether a verify batch of k rows (k = 2 ... 16) and a 64-row prefill give bit-identical logits
   (and K/V) to one-token decoding -- the self-check's probe, run at every size.
-- ``cost``: one-token decode and k-row verify-batch times, exact vs default settings, interleaved
+- ``cost``: one-token decode and k-row verify-batch times under the three settings, interleaved
   rounds, on the default target and on Qwen2.5-Coder-1.5B (PyPI parts).
+- ``layout``: exact mode end to end in either weight layout (core.exact.weight_layout's choice
+  forced), on SmolLM2 Q4_0 and Q8_0 with the shipped drafter: plain, fixed n = 3 and adaptive
+  tok/s over mixed prompts, interleaved prompt by prompt, every greedy output checked against its
+  layout's plain one.
 - ``identity``: prompts x (greedy, T = 0.8 x seeds) x drafters (shipped DFlash2, random DFlash v1 and
   DFlash2) x n on SmolLM2 Q4_0 and Q8_0, and random drafters on Gemma-3-270M (cb_eval capture), in
-  exact mode and in the default mode: how many speculative runs equal plain decoding token for token.
+  exact mode and in the default mode: how many speculative runs equal plain decoding token for token
+  (identity_layout: the weight layout exact mode used for them).
 
-Usage: python3 bench/bench_exact.py [--parts invariance,cost,identity] [--prompts 50] [--seeds 3]
+Usage: python3 bench/bench_exact.py [--parts invariance,cost,layout,identity] [--prompts 50] [--seeds 3]
                                     [--out bench/results/exact.json]
 """
 
@@ -38,7 +44,8 @@ from llama_dflash.formats.config import DrafterConfig
 from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "F16", "BF16"]
-SETTINGS = {"default": {"use_extra_bufts": True, "flash_attn": False}, "exact": exact.EXACT_SETTINGS}
+SETTINGS = {"default": {"use_extra_bufts": True, "flash_attn": False}, "exact": exact.settings(False),
+            "exact, repacked": exact.settings(True)}
 SIZES = list(range(2, 17)) + [64]
 
 
@@ -99,20 +106,25 @@ def _time_decode(ctx, nv: int, k: int, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
+COST_ROWS = (1, 2, 3, 4, 8, 16)
+
+
 def part_cost(rounds: int = 5) -> dict:
     out = {}
     for label, path in (("SmolLM2-135M Q4_0", default_target()), ("Qwen2.5-Coder-1.5B Q4_K_M",
                                                                     pypi_target("qwen2.5-coder-1.5b"))):
         loaded = {name: load(path, s) for name, s in SETTINGS.items()}
         nv = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(loaded["exact"][0]))
-        ms = {name: {k: [] for k in (1, 4, 8, 16)} for name in SETTINGS}
+        ms = {name: {k: [] for k in COST_ROWS} for name in SETTINGS}
         for _ in range(rounds):  # interleaved: the two settings see the same machine state
             for name, (_, ctx) in loaded.items():
                 for k in ms[name]:
                     ms[name][k].append(_time_decode(ctx, nv, k, 3))
         out[label] = {name: {str(k): statistics.median(v) for k, v in d.items()} for name, d in ms.items()}
-        out[label]["exact_over_default"] = {str(k): out[label]["exact"][str(k)] / out[label]["default"][str(k)]
-                                            for k in (1, 4, 8, 16)}
+        for name in SETTINGS:
+            if name != "default":
+                out[label][f"{name} over default"] = {str(k): out[label][name][str(k)] / out[label]["default"][str(k)]
+                                                       for k in COST_ROWS}
         print(label, json.dumps(out[label]), flush=True)
         for model, ctx in loaded.values():
             llama_cpp.llama_free(ctx)
@@ -214,12 +226,64 @@ def part_identity(n_prompts: int, seeds: int, max_tokens: int, modes: tuple[str,
     res["identity_settings"] = settings
 
 
+def part_layout(n_prompts: int, max_tokens: int) -> dict:
+    """Exact mode in either weight layout, end to end (see the module's docstring)."""
+    out = {}
+    pick = exact.weight_layout
+    for ftype in ("q4_0", "q8_0"):
+        target = default_target(ftype)
+        gens = {}
+        try:
+            for repacked in (True, False):
+                exact.weight_layout = lambda *a, r=repacked, **k: r  # noqa: E731 -- force the layout
+                gens[repacked] = SpeculativeGenerator(target, shipped_drafter(), n_ctx=1024, n_threads=2, exact=True)
+        finally:
+            exact.weight_layout = pick
+        secs = {(r, kind): 0.0 for r in gens for kind in ("plain", "fixed_n3", "auto")}
+        toks_out = {(r, kind): 0 for r in gens for kind in ("plain", "fixed_n3", "auto")}
+        same = {r: 0 for r in gens}
+        verdicts = {r: "" for r in gens}
+        accepted = {(r, kind): [0, 0] for r in gens for kind in ("fixed_n3", "auto")}
+        for i, p in enumerate(prompts(n_prompts)):
+            for r, g in gens.items():  # interleaved: both layouts see the same machine state
+                toks = g.tokenize(p)
+                plain = g.generate(toks, max_tokens, draft_len=0)
+                runs = {"plain": plain, "fixed_n3": g.generate(toks, max_tokens, draft_len=3, speculation="on"),
+                        "auto": g.generate(toks, max_tokens)}
+                same[r] += all(x.tokens == plain.tokens for x in runs.values())
+                for kind, x in runs.items():
+                    secs[r, kind] += x.stats.t_total_s
+                    toks_out[r, kind] += max(0, x.stats.n_generated - 1)
+                    if kind != "plain":
+                        accepted[r, kind][0] += x.stats.accepted
+                        accepted[r, kind][1] += x.stats.steps
+                    verdicts[r] = x.stats.exact
+            print(f"  {ftype} [{i + 1}/{n_prompts}]", file=sys.stderr, flush=True)
+        res = {}
+        for r, g in gens.items():
+            name = "repacked" if r else "plain layout"
+            tok_s = {kind: toks_out[r, kind] / secs[r, kind] for kind in ("plain", "fixed_n3", "auto")}
+            res[name] = {**{f"{k}_tok_s": round(v, 1) for k, v in tok_s.items()},
+                         "fixed_n3_x": round(tok_s["fixed_n3"] / tok_s["plain"], 3),
+                         "auto_x": round(tok_s["auto"] / tok_s["plain"], 3),
+                         "tau": {k: round(1 + a / max(1, n), 2) for (rr, k), (a, n) in accepted.items() if rr == r},
+                         "self_check": verdicts[r], "identical_to_plain": f"{same[r]} of {n_prompts}"}
+            g.close()
+        rp, pl = res["repacked"], res["plain layout"]
+        res["repacked_over_plain_layout"] = {k: round(rp[f"{k}_tok_s"] / pl[f"{k}_tok_s"], 3)
+                                             for k in ("plain", "fixed_n3", "auto")}
+        print(ftype, json.dumps(res), flush=True)
+        out[f"SmolLM2-135M {ftype.upper()}"] = res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="invariance,cost,identity")
+    ap.add_argument("--parts", default="invariance,cost,layout,identity")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--layout-prompts", type=int, default=20)
     ap.add_argument("--modes", default="exact", help="identity in these modes (exact,default)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "exact.json"))
     a = ap.parse_args()
@@ -230,13 +294,17 @@ def main() -> None:
     res = json.loads(path.read_text()) if path.is_file() else {}
     run = {"command": "python3 bench/bench_exact.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    res.update(threads=2, exact_settings=exact.EXACT_SETTINGS)
+    res.update(threads=2, exact_settings={n: s for n, s in SETTINGS.items() if n != "default"})
+    res.pop("exact_over_default", None)
     res.setdefault("runs", {}).update({part: run for part in parts})  # which command measured each part
     if "invariance" in parts:
         res["invariance"] = part_invariance()
     if "cost" in parts:
         res["cost_ms"] = part_cost()
+    if "layout" in parts:
+        res["layout"] = part_layout(a.layout_prompts, 128)
     if "identity" in parts:
+        res["identity_layout"] = "exact mode's layout picked by core.exact.weight_layout"
         part_identity(a.prompts, a.seeds, a.max_tokens, tuple(a.modes.split(",")), res, path)
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")

@@ -548,11 +548,14 @@ def exact() -> list[str]:
     runs = r["runs"]
     out = ["## Exact mode", "", *[f"{part}: " + _source(v["command"], v["date"], "exact.json") for part, v in
                                   runs.items()], "",
-           f"Exact mode's settings: `{json.dumps(r['exact_settings'])}` (model `use_extra_bufts`, context flash "
+           f"Exact mode's settings: `{json.dumps(r['exact_settings'])}` (model `use_extra_bufts`: llama.cpp's "
+           "repacked CPU weights or the plain layout, as `core.exact.weight_layout` picks; context flash "
            "attention). A size is invariant when a verify batch of that many rows, and the two one-token decodes "
            "after it, give bit-identical logits to decoding the same tokens one by one (the self-check's probe); "
            "\"64\" is a 64-row prefill (the same batch in plain and speculative runs, so not needed for identity).",
            ""]
+    names = list(r["exact_settings"])
+    shown = {"exact": "exact, plain layout"}  # (the key the runs before 2026-12-03 stored it under)
     inv = r.get("invariance")
     if inv:
         def run(d: dict) -> str:
@@ -562,29 +565,54 @@ def exact() -> list[str]:
                 k += 1
             extra = sorted(set(ok) - {str(i) for i in range(2, k + 1)}, key=int)
             return (f"2–{k}" if k > 2 else "2" if k == 2 else "none") + (f" (also {', '.join(extra)})" if extra else "")
-        out += ["| SmolLM2-135M as | default settings: invariant batch sizes | exact settings: invariant batch sizes |"
-                " exact: drafts up to |", "|---|---|---|---|"]
-        for t, d in inv.items():
+
+        def longest(d: dict) -> int:
             k = 1
-            while str(k + 1) in d["exact"] and d["exact"][str(k + 1)] == 0.0 and k + 1 <= 16:
+            while str(k + 1) in d and d[str(k + 1)] == 0.0 and k + 1 <= 16:
                 k += 1
-            out.append(f"| {t} | {run(d['default'])} | {run(d['exact'])} | {k - 1 if k >= 2 else 'refused'} |")
-        out.append("")
+            return k
+        out += ["| SmolLM2-135M as | default settings | " + " | ".join(shown.get(n, n) for n in names) +
+                " | exact mode's layout: drafts up to |", "|---" * (3 + len(names)) + "|"]
+        for t, d in inv.items():
+            pick = "exact, repacked" if longest(d.get("exact, repacked", {})) >= 2 else "exact"
+            k = longest(d.get(pick, {}))
+            out.append(f"| {t} | {run(d['default'])} | " + " | ".join(run(d[n]) if n in d else "—" for n in names) +
+                       f" | {k - 1 if k >= 2 else 'refused'} ({'repacked' if pick != 'exact' else 'plain layout'}) |")
+        out += ["", "Cells: the batch sizes (rows) that are invariant.", ""]
     cost = r.get("cost_ms")
     if cost:
-        out += ["| target | rows | default ms | exact ms | exact / default |", "|---|---|---|---|---|"]
+        out += ["| target | rows | default ms | " + " | ".join(f"{shown.get(n, n)} ms" for n in names) + " | " +
+                " | ".join(f"{shown.get(n, n)} / default" for n in names) + " |", "|---" * (3 + 2 * len(names)) + "|"]
         for label, c in cost.items():
             for k in c["default"]:
-                out.append(f"| {label} | {k} | {c['default'][k]:.1f} | {c['exact'][k]:.1f} | "
-                           f"{c['exact_over_default'][k]:.2f} |")
-        out += ["", "Medians of interleaved rounds (3 timings each, after a 32-token prefix; both settings loaded "
-                "side by side). The Qwen rows were noisy: its one-token time here is 2.6× the 32.5 ms measured "
-                "alone (docs of the platform), so read its ratios as rough.", ""]
+                out.append(f"| {label} | {k} | {c['default'][k]:.1f} | " +
+                           " | ".join(f"{c[n][k]:.1f}" for n in names) + " | " +
+                           " | ".join(f"{c[f'{n} over default'][k]:.2f}" for n in names) + " |")
+        out += ["", "Medians of interleaved rounds (3 timings each, after a 32-token prefix; all settings loaded "
+                "side by side).", ""]
+    lay = r.get("layout")
+    if lay:
+        out += ["Exact mode end to end in either weight layout (mixed prompts, 128 tokens, greedy, the shipped "
+                "drafter; interleaved prompt by prompt; tok/s of the decode phase):", "",
+                "| target | layout | plain tok/s | fixed n = 3 | adaptive | fixed n = 3 / plain | adaptive / plain "
+                "| τ n = 3 / adaptive | identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
+        for label, d in lay.items():
+            for name in ("repacked", "plain layout"):
+                x = d[name]
+                out.append(f"| {label} | {name} | {x['plain_tok_s']:.1f} | {x['fixed_n3_tok_s']:.1f} | "
+                           f"{x['auto_tok_s']:.1f} | {x['fixed_n3_x']:.2f}× | {x['auto_x']:.2f}× | "
+                           f"{x['tau']['fixed_n3']:.2f} / {x['tau']['auto']:.2f} | {x['identical_to_plain']} |")
+            q = d["repacked_over_plain_layout"]
+            out.append(f"| {label} | repacked / plain layout | {q['plain']:.2f}× | {q['fixed_n3']:.2f}× | "
+                       f"{q['auto']:.2f}× | | | | |")
+        out.append("")
     ident = r.get("identity")
     if ident:
         st = r["identity_settings"]
+        layout = r.get("identity_layout", "exact mode's plain layout (no repacked weights; before 2026-12-03 exact "
+                                          "mode always used it)")
         out += [f"Speculative vs plain, token for token: {st['prompts']} prompts × (greedy + {st['seeds']} seeds at "
-                f"T = 0.8), {st['max_tokens']} tokens each.", "",
+                f"T = 0.8), {st['max_tokens']} tokens each; exact mode with {layout}.", "",
                 "| target / mode / drafter | " + " | ".join(f"n = {n}" for n in ("1", "3", "7", "15")) + " |",
                 "|---|---|---|---|---|"]
         for key, counts in ident.items():

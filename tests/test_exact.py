@@ -104,12 +104,13 @@ def test_shipped_drafter_on_smollm2(ftype):
 
 
 def _reference_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
-    """llama_cpp.Llama under exact mode's settings: flash attention, no repacked weights."""
+    """llama_cpp.Llama under exact mode's settings: flash attention, the weight layout it picks."""
     orig = llama_cpp.llama_cpp.llama_model_default_params
+    repacked = exact.weight_layout(path, kw.get("n_threads"))
 
     def params():
         p = orig()
-        p.use_extra_bufts = exact.EXACT_SETTINGS["use_extra_bufts"]
+        p.use_extra_bufts = repacked
         return p
 
     monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
@@ -124,7 +125,8 @@ def test_drop_in_equals_llama_cpp_under_the_same_settings(monkeypatch):
     llm = llama_dflash.Llama(target, n_ctx=1024, verbose=False, draft_model_path=str(shipped_drafter()), exact=True)
     ref = _reference_llama(target, monkeypatch, n_ctx=1024)
     try:
-        assert llm.exact and not llm.model_params.use_extra_bufts
+        repacked = exact.weight_layout(target)  # on this CPU: True (Q4_0's repacked kernels are invariant)
+        assert llm.exact and llm.model_params.use_extra_bufts == repacked == llm._core.exact.repacked
         for p in PROMPTS[:4]:
             got = llm(p, max_tokens=32, temperature=0.0)["choices"][0]["text"]
             assert got == ref(p, max_tokens=32, temperature=0.0)["choices"][0]["text"], p
@@ -199,6 +201,31 @@ def test_gemma3_through_cb_eval(tmp_path):
         plain.close()
     finally:
         llm.close()
+
+
+def test_weight_layout_keeps_repacked_weights_where_they_are_invariant(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(exact, "_layouts", {})
+    path = str(default_target())
+    # the real probe: the repacked layout's 2-row verdict on a throw-away load, the pick cached on disk
+    rows = exact._probe_layout(path, 2, True)
+    assert rows in (1, 2)
+    assert exact.weight_layout(path, 2) is (rows == 2)
+    assert list(json.loads((tmp_path / "exact-verdicts.json").read_text()).values()) == [rows == 2]
+    # the rule, on made-up verdicts: repacked wherever 2 rows are invariant, else the plain layout
+    for probed, want in ((2, True), (1, False)):
+        monkeypatch.setattr(exact, "_layouts", {})
+        (tmp_path / "exact-verdicts.json").unlink()
+        monkeypatch.setattr(exact, "_probe_layout", lambda p, t, r, probed=probed: probed if r else 99)
+        assert exact.weight_layout(path, 2) is want
+        assert exact.weight_layout(path, 2) is want  # this process's memo
+        assert list(json.loads((tmp_path / "exact-verdicts.json").read_text()).values()) == [want]
+    # offloaded layers never repack; a file that does not load is left to the caller's own error
+    assert exact.weight_layout(path, 2, n_gpu_layers=10) is False
+    monkeypatch.setattr(exact, "_probe_layout", lambda p, t, r: None)
+    assert exact.weight_layout(str(tmp_path / "missing.gguf"), 2) is False
+    with pytest.raises(ValueError, match="does not exist"):
+        llama_dflash.Llama(str(tmp_path / "missing.gguf"), exact=True, verbose=False)
 
 
 def test_self_check_refuses_a_configuration_that_is_not_invariant(tmp_path, monkeypatch):

@@ -121,7 +121,7 @@ def test_a_damaged_cost_cache_is_measured_again(artifacts, cache):
             assert g.generate("hello", 8).stats.adaptive
             assert g.cost_model() is not None
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
-        key = policy.cost_key(a["target"], a["drafter"], g.n_threads, "cpu", False)
+        key = policy.cost_key(a["target"], a["drafter"], g.n_threads, "cpu", "default")
         (cache / "costs.json").write_text(json.dumps({key: {"t_verify": ["x"], "t_draft": [], "reached": [],
                                                              "accepted": []}}))
         g.generate("hello", 8)  # an entry of the wrong shape: measured instead

@@ -190,6 +190,8 @@ class Llama(llama_cpp.Llama):
         if exact:
             kwargs["flash_attn"] = flash_attn
         self.__dict__["_exact"] = exact  # read by the model_params setter, during the base's init
+        self.__dict__["_exact_repacked"] = bool(exact) and exact_mode.weight_layout(
+            model_path, kwargs.get("n_threads"), kwargs.get("n_gpu_layers", 0))
         self.__dict__["_serial"] = _Serial()
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
@@ -279,7 +281,7 @@ class Llama(llama_cpp.Llama):
         return state
 
     # Exact mode: the base class fills ``self.model_params`` before it loads the model; the
-    # struct it assigns gets exact mode's model setting (no repacked CPU weights) at once.
+    # struct it assigns gets exact mode's weight layout (``exact.weight_layout``) at once.
     @property
     def model_params(self):
         try:
@@ -290,7 +292,7 @@ class Llama(llama_cpp.Llama):
     @model_params.setter
     def model_params(self, params) -> None:
         if self.__dict__.get("_exact"):
-            params.use_extra_bufts = exact_mode.EXACT_SETTINGS["use_extra_bufts"]
+            params.use_extra_bufts = self.__dict__["_exact_repacked"]
         self.__dict__["_dflash_model_params"] = params
 
     @property
@@ -324,7 +326,8 @@ class Llama(llama_cpp.Llama):
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
                                 exact=self.exact, model_path=self.model_path,
-                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu")
+                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu",
+                                exact_repacked=self.__dict__["_exact_repacked"])
         self._core.prepare_context(self.context_params)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):

@@ -38,8 +38,6 @@ DraftSource = Callable[[Sequence[int], int], Sequence[int]]
 
 StepCallback = Callable[[dict], None]
 
-# exact mode probes verify batches of up to this many rows (drafts of up to 15)
-EXACT_PROBE_ROWS = 16
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw one
 
 
@@ -147,15 +145,18 @@ class EngineCore(_native.Resource):
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: bool | str = False,
-                 model_path: str | os.PathLike | None = None, placement: str = "cpu") -> None:
+                 model_path: str | os.PathLike | None = None, placement: str = "cpu",
+                 exact_repacked: bool = False) -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
         self._cost_key = ""
         self._cost_id = (model_path, drafter_path, placement)
-        # exact mode: the target was loaded with exact.EXACT_SETTINGS; attach() checks them
+        # exact mode: the target was loaded with exact.settings(exact_repacked) (the layout
+        # exact.weight_layout picked); attach() checks them
         exact_mode.flash_attn_for(exact, None)  # a valid value (the caller loaded the target accordingly)
         self._exact_wanted = exact
+        self._exact_repacked = bool(exact_repacked)
         self.exact: exact_mode.Verdict | None = None
         self.exact_unavailable = ""  # exact="auto" on a target that failed the self-check: why
         self._model_path = model_path
@@ -199,8 +200,9 @@ class EngineCore(_native.Resource):
         if self.unavailable is not None:
             return
         if self._exact_wanted:  # before the capture is bound and before the context's first use
-            rows = min(self.max_draft_len + 1, EXACT_PROBE_ROWS)
-            v = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads)
+            rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
+            v = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads,
+                                      self._exact_repacked)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
             else:
@@ -313,8 +315,8 @@ class EngineCore(_native.Resource):
         self._costs_ready = True
         model_path, drafter_path, placement = self._cost_id
         if model_path is not None:
-            self._cost_key = policy.cost_key(model_path, drafter_path, self._n_threads, placement,
-                                             self.exact is not None)
+            mode = ("exact, repacked" if self._exact_repacked else "exact") if self.exact is not None else "default"
+            self._cost_key = policy.cost_key(model_path, drafter_path, self._n_threads, placement, mode)
             if policy.load(self._engine, self._cost_key):
                 return
         n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, 15)

@@ -25,14 +25,20 @@ from dataclasses import asdict, dataclass
 import llama_cpp
 import numpy as np
 
+from .. import _native
 from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
 # The settings exact mode loads a target with, on top of the caller's:
-#   model:   use_extra_bufts = False  (no repacked CPU weights: one kernel family for 1 and n rows)
 #   context: flash_attn_type = ENABLED (one attention path for every batch size);
 #            type_k / type_v left at llama.cpp's default (f16)
-EXACT_SETTINGS = {"use_extra_bufts": False, "flash_attn": True}
+#   model:   use_extra_bufts = the layout `weight_layout` picks: llama.cpp's repacked CPU weights
+#            (its default; they run 2-3 rows as one-row products and 4+ through another kernel)
+#            wherever a 2-row batch is bit-invariant, else the plain layout.  On this CPU repacked
+#            weights stay invariant up to 16 rows for Q4_0/Q4_1/Q5_x/Q8_0, 7 for IQ4_NL (the plain
+#            layout: none), 3-10 for K-quants (plain: 7-8); bench/bench_exact.py, "invariance".
+EXACT_SETTINGS = {"use_extra_bufts": False, "flash_attn": True}  # the plain layout's
+PROBE_ROWS = 16  # batches probed: drafts of up to 15
 
 PROBE_PREFIX = 8   # prompt rows before the probed batch
 PROBE_AFTER = 2    # one-token decodes after it (they read the batch's K/V)
@@ -48,6 +54,7 @@ class Verdict:
     probed_rows: int
     first_diff: float
     key: str
+    repacked: bool = False  # the target's weights in llama.cpp's repacked CPU layout
 
     def describe(self) -> str:
         if self.max_rows >= self.probed_rows:
@@ -98,31 +105,100 @@ def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator) -> float:
     return 0.0 if np.array_equal(a, b) else float(np.nanmax(np.abs(a - b)))
 
 
-def _cache_key(model_path: str, n_threads: int, n_rows: int) -> str:
-    return key_of(*file_id(model_path), *build_id(), n_threads, n_rows, json.dumps(EXACT_SETTINGS, sort_keys=True))
+def settings(repacked: bool) -> dict:
+    """The model and context settings of exact mode with the given weight layout."""
+    return {**EXACT_SETTINGS, "use_extra_bufts": bool(repacked)}
 
 
-def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int) -> Verdict:
+def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool = False) -> str:
+    return key_of(*file_id(model_path), *build_id(), n_threads, n_rows,
+                  json.dumps(settings(repacked), sort_keys=True))
+
+
+def _max_rows(ctx, model, n_rows: int) -> tuple[int, float]:
+    """The largest k <= n_rows such that batches of 2..k rows are bit-identical to one-token
+    decoding, and the logit gap of the first size that was not (0.0 when none)."""
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rng = np.random.default_rng(1234)
+    max_rows = 1
+    for k in range(2, n_rows + 1):
+        diff = _probe(ctx, n_vocab, k, rng)
+        if diff != 0.0:
+            return max_rows, diff
+        max_rows = k
+    return max_rows, 0.0
+
+
+_layouts: dict[str, bool] = {}  # this process's picks: the loader and the engine core agree
+
+
+def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0) -> bool:
+    """Whether exact mode loads this target with llama.cpp's repacked CPU weights (True) or the
+    plain layout (False).  Repacked wherever a 2-row batch is bit-identical to one-token decoding
+    (probed on a throw-away load): it is llama.cpp's default because it is faster, and on this CPU
+    it was at every batch size that can verify a draft (bench/bench_exact.py, "cost": Q4_0 one
+    token 9.5 ms against 12.4, Qwen2.5-Coder-1.5B Q4_K_M 64 against 85), even where the plain
+    layout stays invariant up to more rows (K-quants: 7 against 3-4, drafts of 6 against 2-3).
+    Offloaded layers never repack: False.  Cached per (model file, llama.cpp build, threads); the
+    engine's own self-check still decides what the loaded target may verify."""
+    path = os.fspath(model_path)
+    if n_gpu_layers or not os.path.isfile(path):  # (a missing file: the caller's own load reports it)
+        return False
+    n_threads = n_threads or _native.default_threads()
+    key = key_of("layout", *file_id(path), *build_id(), n_threads, json.dumps(EXACT_SETTINGS))
+    if key in _layouts:
+        return _layouts[key]
+    store = JsonStore("exact-verdicts.json")
+    hit = store.get(key)
+    if not isinstance(hit, bool):
+        rows = _probe_layout(path, n_threads, True)
+        if rows is None:  # not loadable: the caller's own load reports why
+            return False
+        hit = rows >= 2
+        store.put(key, hit)
+    _layouts[key] = hit
+    return hit
+
+
+def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
+    mp = llama_cpp.llama_model_default_params()
+    mp.use_extra_bufts = repacked
+    model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mp)
+    if not model:
+        return None
+    try:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = 64
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.no_perf = True
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        if not ctx:
+            return None
+        try:
+            return _max_rows(ctx, model, 2)[0]
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
+               repacked: bool = False) -> Verdict:
     """Probe batches of 2..n_rows rows on the target context ``ctx`` (``llama_context *``, before
-    its first use: its memory is cleared afterwards); cached when ``model_path`` is given."""
+    its first use: its memory is cleared afterwards), loaded with the weight layout ``repacked``;
+    cached when ``model_path`` is given."""
     n_batch = int(llama_cpp.llama_n_batch(ctx))
     if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
         raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
-    key = _cache_key(os.fspath(model_path), n_threads, n_rows) if model_path else ""
+    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked) if model_path else ""
     store = JsonStore("exact-verdicts.json")
     if key and isinstance(hit := store.get(key), dict):
         with contextlib.suppress(TypeError):  # an entry of another version: probe again
             return Verdict(**hit)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    rng = np.random.default_rng(1234)
-    max_rows, diff = 1, 0.0
-    for k in range(2, n_rows + 1):
-        diff = _probe(ctx, n_vocab, k, rng)
-        if diff != 0.0:
-            break
-        max_rows, diff = k, 0.0
-    v = Verdict(max_rows, n_rows, diff, key)
+    max_rows, diff = _max_rows(ctx, model, n_rows)
+    v = Verdict(max_rows, n_rows, diff, key, bool(repacked))
     if key:
         store.put(key, asdict(v))
     return v

@@ -41,12 +41,13 @@ class SpeculativeGenerator(_native.Resource):
     measuring its cost or producing training features.  ``flash_attn``
     defaults to off, like ``llama_cpp.Llama``.
 
-    ``exact=True`` loads the target with ``core.exact.EXACT_SETTINGS`` (flash attention on, no
-    repacked CPU weights) and self-checks that verify batches give bit-identical logits to
-    one-token decoding: greedy output is then token-identical to plain decoding and a seeded
-    match-mode run gives the same text with and without the drafter.  Drafts are capped at the
-    largest invariant batch; a model whose 2-row batches already differ raises DFlashError
-    (``exact="auto"``: runs in the default mode instead, the reason in every ``stats.exact``).
+    ``exact=True`` loads the target with flash attention on and the weight layout (llama.cpp's
+    repacked CPU weights or not) that ``core.exact.weight_layout`` finds invariant, and
+    self-checks that verify batches give bit-identical logits to one-token decoding: greedy
+    output is then token-identical to plain decoding and a seeded match-mode run gives the same
+    text with and without the drafter.  Drafts are capped at the largest invariant batch; a model
+    whose 2-row batches already differ raises DFlashError (``exact="auto"``: runs in the default
+    mode instead, the reason in every ``stats.exact``).
     """
 
     def __init__(
@@ -81,8 +82,9 @@ class SpeculativeGenerator(_native.Resource):
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        repacked = bool(exact) and exact_mode.weight_layout(model_path, self.n_threads, n_gpu_layers)
         if exact:
-            mparams.use_extra_bufts = exact_mode.EXACT_SETTINGS["use_extra_bufts"]
+            mparams.use_extra_bufts = repacked
         self._model = llama_cpp.llama_model_load_from_file(model_b, mparams)
         if not self._model:
             raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
@@ -92,7 +94,8 @@ class SpeculativeGenerator(_native.Resource):
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
                                     exact=exact, model_path=model_path,
-                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu")
+                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu",
+                                    exact_repacked=repacked)
         except BaseException:
             self.close()
             raise

@@ -27,10 +27,11 @@ _COSTS_VERSION = 2
 
 
 def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None, n_threads: int,
-             placement: str, exact: bool) -> str:
-    """What the cost model and calibration depend on."""
+             placement: str, mode: str) -> str:
+    """What the cost model and calibration depend on (``mode``: the default mode or exact mode
+    with its weight layout)."""
     return key_of(*file_id(model_path), *(file_id(drafter_path) if drafter_path else ["none"]), *build_id(),
-                  n_threads, placement, exact, int(lib.DFLASH_CONF_VERSION), _COSTS_VERSION)
+                  n_threads, placement, mode, int(lib.DFLASH_CONF_VERSION), _COSTS_VERSION)
 
 
 def load(engine, key: str) -> bool:
