@@ -11,6 +11,10 @@ default model and the shipped drafter, greedy and T = 0.7 (match verification, o
   - the ceiling: an oracle length policy that drafts exactly the tokens the drafter gets accepted
     (from the run at n_max) and pays the cost model's times -- the best any length policy can do
     with this drafter on this machine.
+With --exact our loop runs in exact mode (flash attention, the weight layout core.exact.weight_layout
+picks; every greedy output checked identical to our plain one) and a third peer joins: llama-cpp-python
+under the same settings (llama_cpp.Llama(flash_attn=True), same layout), whose greedy output ours must
+equal token for token.
 Prompt sets: the first --problems HumanEval problems (held out of the drafter's training), a prose /
 chat set written for this bench (PROSE), and the prose set with a random-weight DFlash2 drafter
 (useless drafts: adaptive must not lose to plain).  Decode tok/s excludes prefill everywhere.
@@ -20,7 +24,7 @@ per-slot acceptance 0.3 / 0.5 / 0.7 / 0.9 (fixed n = 3, 7 and adaptive): the cos
 draft + verify time against the measured one, and where speculation starts to pay.
 
 Usage: python3 bench/bench_adaptive.py [--parts sets,replay] [--problems 20] [--prose 20] [--tokens 128]
-                                       [--fixed 1,2,3,5,7] [--upstream] [--out bench/results/adaptive.json]
+                                       [--fixed 1,2,3,5,7] [--upstream] [--exact] [--out bench/results/adaptive.json]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.core import exact
 from llama_dflash.train.prompts import chatml, humaneval_prompts
 
 PROSE = [
@@ -149,7 +154,7 @@ class Upstream:
 
 
 def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int, fixed: list[int], sp_kind: str,
-            peers: bool, upstream: Upstream | None = None) -> dict:
+            peers: bool, upstream: Upstream | None = None, llm_same=None) -> dict:
     agg = Agg()
     t0 = time.time()
     for i, text in enumerate(prompts):
@@ -162,8 +167,15 @@ def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int
             agg.add("lcpp_plain", max(0, len(ref) - 1), secs)
             out, secs = plain_llama_cpp(lookup, toks, n_tok, temp, seed)
             agg.add("lcpp_prompt_lookup", max(0, len(out) - 1), secs)
+        same = None
+        if peers and llm_same is not None:
+            same, secs = plain_llama_cpp(llm_same, toks, n_tok, temp, seed)
+            agg.add("lcpp_plain_same_settings", max(0, len(same) - 1), secs)
         r = g.generate(toks, n_tok, draft_len=0, sampling=sp)
         agg.add("ours_plain", max(0, r.stats.n_generated - 1), r.stats.t_total_s)
+        plain = r.tokens
+        if same is not None and sp_kind == "greedy" and list(same[:len(plain)]) != list(plain[:len(same)]):
+            raise AssertionError(f"prompt {i}: exact mode's plain output differs from llama-cpp-python's")
         for n in fixed:
             steps: list[dict] = []
             r = g.generate(toks, n_tok, draft_len=n, speculation="on", sampling=sp,
@@ -173,6 +185,8 @@ def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int
                 agg.add("oracle", max(0, r.stats.n_generated - 1), g.oracle_seconds([s["accepted"] for s in steps]))
         r = g.generate(toks, n_tok, sampling=sp)
         agg.add("auto", max(0, r.stats.n_generated - 1), r.stats.t_total_s, r.stats)
+        if g.exact and r.tokens != plain:
+            raise AssertionError(f"prompt {i}: exact mode's adaptive output differs from its plain one")
         if upstream is not None and sp_kind == "greedy":
             for n in sorted({3, g.max_draft_len}):
                 agg.add(f"upstream_dflash_n{n}", *upstream.run(text, n_tok, n))
@@ -254,6 +268,8 @@ def main() -> None:
     ap.add_argument("--replay-tokens", type=int, default=128, help="tokens per prompt of the replay part")
     ap.add_argument("--upstream", action="store_true",
                     help="add upstream's DFlash loop (bench/build-upstream.sh builds it on first use)")
+    ap.add_argument("--exact", action="store_true", help="our loop in exact mode, plus llama-cpp-python under its "
+                    "settings as a peer")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "adaptive.json"))
     a = ap.parse_args()
     path = Path(a.out)
@@ -274,7 +290,23 @@ def main() -> None:
     llm = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
     lookup = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
-    res.update(run, threads=2, tokens=a.tokens, target=target.name, drafter=drafter.name, sets={})
+    llm_same = None
+    if a.exact:  # llama-cpp-python under exact mode's settings: the same numerics as ours, token for token
+        layout = exact.weight_layout(target, 2)
+        orig = llama_cpp.llama_cpp.llama_model_default_params
+
+        def params():
+            p = orig()
+            p.use_extra_bufts = layout
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
+        try:
+            llm_same = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False,
+                                       flash_attn=True)
+        finally:
+            llama_cpp.llama.llama_cpp.llama_model_default_params = orig
+    res.update(run, threads=2, tokens=a.tokens, target=target.name, drafter=drafter.name, sets={}, exact=a.exact)
     up = None
     if a.upstream:
         import subprocess
@@ -282,26 +314,28 @@ def main() -> None:
         binary = subprocess.run(["bash", str(Path(__file__).resolve().parent / "build-upstream.sh")],
                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         up = Upstream(binary, target, drafter)
-    with SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=2) as g:
+    with SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=2, exact=a.exact) as g:
         g.generate(he[0], 8)  # warm-up; measures (or loads) the cost model
         fixed = [n for n in fixed if n <= g.max_draft_len]
         for sp_kind in ("greedy", "t0.7"):
             for name, ps in (("humaneval", he), ("prose", prose)):
                 print(f"{name} {sp_kind}", file=sys.stderr, flush=True)
-                res["sets"][f"{name}/{sp_kind}"] = run_set(g, llm, lookup, ps, a.tokens, fixed, sp_kind, True, up)
+                res["sets"][f"{name}/{sp_kind}"] = run_set(g, llm, lookup, ps, a.tokens, fixed, sp_kind, True, up,
+                                                           llm_same)
                 print(json.dumps(res["sets"][f"{name}/{sp_kind}"]), flush=True)
         res["cost_model_ms"] = {k: [round(1e3 * x, 2) for x in g.cost_model()[k]] for k in ("t_verify", "t_draft")}
     rnd = random_drafters(target, "smollm2", dict(n_layer=1, n_embd=576, n_ff=512, n_head=9, n_head_kv=3,
                                                      head_dim=64, target_layers=[1, 14, 27], mask_token_id=16,
                                                      rope_theta=100000.0, rms_eps=1e-5, n_vocab=49152))["random-v2"]
-    with SpeculativeGenerator(target, rnd, n_ctx=1024, n_threads=2) as g:
+    with SpeculativeGenerator(target, rnd, n_ctx=1024, n_threads=2, exact=a.exact) as g:
         g.generate(prose[0], 8)
         print("prose greedy, random drafter", file=sys.stderr, flush=True)
         res["sets"]["prose/greedy/random-drafter"] = run_set(g, llm, lookup, prose, a.tokens, [g.max_draft_len],
                                                              "greedy", False)
         print(json.dumps(res["sets"]["prose/greedy/random-drafter"]), flush=True)
-    llm.close()
-    lookup.close()
+    for m in (llm, lookup, llm_same):
+        if m is not None:
+            m.close()
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")
 

@@ -631,6 +631,8 @@ def exact() -> list[str]:
 # adaptive.json: cost-aware drafting against fixed lengths, the peers and the ceiling
 
 _ADAPTIVE_LABELS = {"lcpp_plain": "llama-cpp-python plain", "lcpp_prompt_lookup": "llama-cpp-python prompt lookup",
+                    "lcpp_plain_same_settings": "llama-cpp-python plain, exact mode's settings (flash attention, "
+                                                "same weight layout: the same tokens as ours)",
                     "ours_plain": "ours plain", "auto": "**ours adaptive** (`speculation=\"auto\"`)",
                     "oracle": "ceiling (oracle lengths, cost-model times)"}
 
@@ -686,6 +688,13 @@ def adaptive() -> list[str]:
                 "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
                 "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
                 "with every other configuration prompt by prompt.", "", *_adaptive_sets(ru, "adaptive_upstream.json")]
+    if (HERE / "adaptive_exact.json").is_file():
+        re_ = _load("adaptive_exact.json")
+        out += ["### In exact mode", "",
+                "Our loop in exact mode (flash attention, repacked weights where invariant; every greedy output "
+                "checked identical to our plain one and to llama-cpp-python's under the same settings), against "
+                "llama-cpp-python at its defaults and under exact mode's settings.", "",
+                *_adaptive_sets(re_, "adaptive_exact.json")]
     out += policy_reach()
     rp = r.get("replay")
     if rp:
