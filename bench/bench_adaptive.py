@@ -13,8 +13,8 @@ default model and the shipped drafter, greedy and T = 0.7 (match verification, o
     with this drafter on this machine.
 With --exact our loop runs in exact mode (flash attention, the weight layout core.exact.weight_layout
 picks; every greedy output checked identical to our plain one) and a third peer joins: llama-cpp-python
-under the same settings (llama_cpp.Llama(flash_attn=True), same layout), whose greedy output ours must
-equal token for token.
+under the same settings (llama_cpp.Llama(flash_attn=True), same layout, ggml's reference CPU kernels),
+whose greedy output ours must equal token for token.
 Prompt sets: the first --problems HumanEval problems (held out of the drafter's training), a prose /
 chat set written for this bench (PROSE), and the prose set with a random-weight DFlash2 drafter
 (useless drafts: adaptive must not lose to plain).  Decode tok/s excludes prefill everywhere.
@@ -306,6 +306,7 @@ def main() -> None:
                                        flash_attn=True)
         finally:
             llama_cpp.llama.llama_cpp.llama_model_default_params = orig
+        exact.reference_kernels(llm_same._ctx.ctx)  # as exact mode runs them (past 256 positions they differ)
     res.update(run, threads=2, tokens=a.tokens, target=target.name, drafter=drafter.name, sets={}, exact=a.exact)
     up = None
     if a.upstream:

@@ -72,7 +72,10 @@ def load(path: Path, s: dict, n_ctx: int = 256):
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = n_ctx, n_ctx, n_ctx, 2, 2
     cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if s["flash_attn"]
                           else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    return model, llama_cpp.llama_init_from_model(model, cp)
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if s.get("reference_kernels"):
+        exact.reference_kernels(ctx)
+    return model, ctx
 
 
 def part_invariance() -> dict:

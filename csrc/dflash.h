@@ -240,6 +240,17 @@ void    dflash_capture_begin(dflash_capture * c);
 const float * dflash_capture_rows(dflash_capture * c, int32_t n_tokens);
 int32_t dflash_capture_row_width(const dflash_capture * c);
 
+/* ---- exact mode -------------------------------------------------------- */
+
+/* Put the target context's CPU backends into ggml's reference kernels (or back): flash attention
+ * without its split-KV and tiled variants, no fused ops.  The optimized one-token flash attention
+ * splits the KV across threads once the context's KV view spans 512 cells (past 256 positions)
+ * and rounds differently from the same row in a verify batch; in reference mode a one-token
+ * decode and a verify batch take the same kernels at every length.  Exact mode sets it before its
+ * self-check.  Returns the number of CPU backends set (0: none, e.g. every layer offloaded), or
+ * -1 when libllama does not export what it needs (llama_context::get_sched). */
+int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
+
 /* ---- the speculative loop ---------------------------------------------- */
 
 /* External draft source: write up to n tokens proposed after the committed

@@ -5,6 +5,10 @@
 // "unsupported" instead of failing to load.
 #include "llama_ext.h"
 
+#include "dflash.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
 #include <dlfcn.h>
 
 #include <cstring>
@@ -46,6 +50,8 @@ const dflash_llama_ext * dflash_llama_ext_get(void) {
         e.get_layer_inp = (float * (*)(llama_context *, uint32_t))
             sym("_Z30llama_get_embeddings_layer_inpP13llama_contextj");
         e.tensor_map = sym("_Z29llama_internal_get_tensor_mapB5cxx11PK11llama_model");
+        e.get_sched = (ggml_backend_sched_t (*)(const llama_context *))
+            sym("_ZNK13llama_context9get_schedEv");  // llama_context::get_sched() const
         return e;
     }();
     return &ext;
@@ -60,6 +66,22 @@ int32_t dflash_model_tensors(const llama_model * model, const char * name,
     for (const auto & [tname, t] : map) {
         if (tname == name) {
             if (n < max_out) out[n] = t;
+            n++;
+        }
+    }
+    return n;
+}
+
+int32_t dflash_context_reference_kernels(llama_context * ctx, bool on) {
+    const dflash_llama_ext * ext = dflash_llama_ext_get();
+    if (!ext->get_sched) return -1;
+    ggml_backend_sched_t sched = ext->get_sched(ctx);
+    if (!sched) return -1;
+    int32_t n = 0;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (b && ggml_backend_is_cpu(b)) {
+            ggml_backend_cpu_set_use_ref(b, on);
             n++;
         }
     }

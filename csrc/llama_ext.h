@@ -1,6 +1,7 @@
 // Internal: run-time access to libllama functions outside its C API.
 #pragma once
 
+#include "ggml-backend.h"
 #include "llama.h"
 
 #ifdef __cplusplus
@@ -11,6 +12,7 @@ typedef struct dflash_llama_ext {
     void    (*set_layer_inp)(struct llama_context * ctx, uint32_t lid, bool value);
     float * (*get_layer_inp)(struct llama_context * ctx, uint32_t lid);
     void *    tensor_map; // C++ function, used by dflash_model_tensors only
+    ggml_backend_sched_t (*get_sched)(const struct llama_context * ctx); // a const member: ctx is `this`
 } dflash_llama_ext;
 
 // Resolved once; absent functions are NULL.

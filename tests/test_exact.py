@@ -104,7 +104,8 @@ def test_shipped_drafter_on_smollm2(ftype):
 
 
 def _reference_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
-    """llama_cpp.Llama under exact mode's settings: flash attention, the weight layout it picks."""
+    """llama_cpp.Llama under exact mode's settings: flash attention, the weight layout it picks,
+    ggml's reference CPU kernels."""
     orig = llama_cpp.llama_cpp.llama_model_default_params
     repacked = exact.weight_layout(path, kw.get("n_threads"))
 
@@ -115,9 +116,11 @@ def _reference_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
 
     monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
     try:
-        return llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
+        llm = llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
     finally:
         monkeypatch.undo()
+    assert exact.reference_kernels(llm._ctx.ctx) == 1
+    return llm
 
 
 def test_drop_in_equals_llama_cpp_under_the_same_settings(monkeypatch):
@@ -203,20 +206,20 @@ def test_gemma3_through_cb_eval(tmp_path):
         llm.close()
 
 
-def test_weight_layout_keeps_repacked_weights_where_they_are_invariant(tmp_path, monkeypatch):
+def test_weight_layout_keeps_the_layout_that_stays_invariant_longer(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
     monkeypatch.setattr(exact, "_layouts", {})
     path = str(default_target())
-    # the real probe: the repacked layout's 2-row verdict on a throw-away load, the pick cached on disk
-    rows = exact._probe_layout(path, 2, True)
-    assert rows in (1, 2)
-    assert exact.weight_layout(path, 2) is (rows == 2)
-    assert list(json.loads((tmp_path / "exact-verdicts.json").read_text()).values()) == [rows == 2]
-    # the rule, on made-up verdicts: repacked wherever 2 rows are invariant, else the plain layout
-    for probed, want in ((2, True), (1, False)):
+    # the real probe: each layout's verdict on a throw-away load, the pick cached on disk
+    rows = {r: exact._probe_layout(path, 2, r) for r in (True, False)}
+    assert all(2 <= n <= exact.PROBE_ROWS for n in rows.values())
+    assert exact.weight_layout(path, 2) == (rows[True] >= rows[False])
+    assert list(json.loads((tmp_path / "exact-verdicts.json").read_text()).values()) == [rows[True] >= rows[False]]
+    # the rule, on made-up verdicts: more invariant rows win, a tie keeps llama.cpp's repacked default
+    for probed, want in (({True: 16, False: 16}, True), ({True: 3, False: 7}, False), ({True: 7, False: 1}, True)):
         monkeypatch.setattr(exact, "_layouts", {})
         (tmp_path / "exact-verdicts.json").unlink()
-        monkeypatch.setattr(exact, "_probe_layout", lambda p, t, r, probed=probed: probed if r else 99)
+        monkeypatch.setattr(exact, "_probe_layout", lambda p, t, r, probed=probed: probed[r])
         assert exact.weight_layout(path, 2) is want
         assert exact.weight_layout(path, 2) is want  # this process's memo
         assert list(json.loads((tmp_path / "exact-verdicts.json").read_text()).values()) == [want]
@@ -226,6 +229,48 @@ def test_weight_layout_keeps_repacked_weights_where_they_are_invariant(tmp_path,
     assert exact.weight_layout(str(tmp_path / "missing.gguf"), 2) is False
     with pytest.raises(ValueError, match="does not exist"):
         llama_dflash.Llama(str(tmp_path / "missing.gguf"), exact=True, verbose=False)
+
+
+def test_exact_past_256_positions():
+    """Past 256 positions llama.cpp's one-token flash attention splits the KV across threads and
+    rounds apart from a verify batch; exact mode runs the reference kernels.  Before that fix this
+    HumanEval prompt (~170 tokens) diverged at T = 0.7 around its 95th generated token."""
+    from llama_dflash.train.prompts import chatml, humaneval_prompts
+
+    with SpeculativeGenerator(default_target(), shipped_drafter(), n_ctx=1024, exact=True) as g:
+        toks = g.tokenize(chatml(humaneval_prompts()[0].text))
+        assert len(toks) + 128 > 256
+        for sp in (SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=1000), None):
+            plain = g.generate(toks, 128, draft_len=0, sampling=sp).tokens
+            assert len(toks) + len(plain) > 280
+            for kw in (dict(draft_len=1, speculation="on"), dict(draft_len=3, speculation="on"), {}):
+                assert g.generate(toks, 128, sampling=sp, **kw).tokens == plain, (sp, kw)
+
+
+def test_self_check_probes_past_256_positions(tmp_path, monkeypatch):
+    """Without the reference kernels the long probe finds the split-KV rounding; with them it passes."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    path = str(default_target())
+    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+    try:
+        for ref in (False, True):
+            cp = llama_cpp.llama_context_default_params()
+            cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 1024, 128, 2, 2
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            ctx = llama_cpp.llama_init_from_model(model, cp)
+            try:
+                if ref:
+                    assert exact.reference_kernels(ctx) == 1
+                v = exact.self_check(ctx, model, None, 4, 2, repacked=True)
+                if ref:
+                    assert v.max_rows == 4 and v.first_diff == 0.0
+                else:
+                    assert v.max_rows == 1 and v.at_position == exact.PROBE_LONG and v.first_diff > 0
+                    assert f"at position {exact.PROBE_LONG}" in v.describe()
+            finally:
+                llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 def test_self_check_refuses_a_configuration_that_is_not_invariant(tmp_path, monkeypatch):

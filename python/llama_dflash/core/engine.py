@@ -200,11 +200,13 @@ class EngineCore(_native.Resource):
         if self.unavailable is not None:
             return
         if self._exact_wanted:  # before the capture is bound and before the context's first use
+            exact_mode.reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
             rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
             v = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads,
                                       self._exact_repacked)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
+                exact_mode.reference_kernels(ctx, False)
             else:
                 exact_mode.require(v)
                 self.exact = v

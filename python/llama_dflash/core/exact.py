@@ -34,14 +34,20 @@ from ..errors import DFlashError
 #            type_k / type_v left at llama.cpp's default (f16)
 #   model:   use_extra_bufts = the layout `weight_layout` picks: llama.cpp's repacked CPU weights
 #            (its default; they run 2-3 rows as one-row products and 4+ through another kernel)
-#            wherever a 2-row batch is bit-invariant, else the plain layout.  On this CPU repacked
-#            weights stay invariant up to 16 rows for Q4_0/Q4_1/Q5_x/Q8_0, 7 for IQ4_NL (the plain
-#            layout: none), 3-10 for K-quants (plain: 7-8); bench/bench_exact.py, "invariance".
-EXACT_SETTINGS = {"use_extra_bufts": False, "flash_attn": True}  # the plain layout's
+#            or the plain layout, whichever stays bit-invariant up to more rows (repacked on a
+#            tie).  On this CPU repacked weights stay invariant up to 16 rows for Q4_0/Q4_1/Q5_x/
+#            Q8_0 as the plain layout does, 7 for IQ4_NL (plain: none), 3-7 for K-quants (plain:
+#            7-8); bench/bench_exact.py, "invariance".
+#   backend: ggml's reference CPU kernels (`reference_kernels`): past 256 positions the optimized
+#            one-token flash attention splits the KV across threads and rounds apart from a batch.
+EXACT_SETTINGS = {"use_extra_bufts": False, "flash_attn": True, "reference_kernels": True}  # the plain layout's
 PROBE_ROWS = 16  # batches probed: drafts of up to 15
 
 PROBE_PREFIX = 8   # prompt rows before the probed batch
 PROBE_AFTER = 2    # one-token decodes after it (they read the batch's K/V)
+PROBE_LONG = 300   # a second prefix, past 256 positions: the KV view then spans 512 cells, where
+#                    llama.cpp's optimized one-token flash attention splits the KV across threads
+PROBE_VERSION = 3  # 3: the long-context probe, both layouts probed (older verdicts are probed again)
 
 
 @dataclass
@@ -55,14 +61,18 @@ class Verdict:
     first_diff: float
     key: str
     repacked: bool = False  # the target's weights in llama.cpp's repacked CPU layout
+    at_position: int = PROBE_PREFIX  # where the first batch that differed started
 
     def describe(self) -> str:
         if self.max_rows >= self.probed_rows:
             return f"self-check passed: verify batches of up to {self.probed_rows} rows are bit-identical"
         if self.max_rows >= 2:
+            where = f" at position {self.at_position}" if self.at_position != PROBE_PREFIX else ""
             return (f"self-check passed for verify batches of up to {self.max_rows} rows (a batch of "
-                    f"{self.max_rows + 1} differs by {self.first_diff:.3g}): drafts capped at {self.max_rows - 1}")
-        return (f"self-check failed: a 2-row batch differs from one-token decoding by {self.first_diff:.3g} "
+                    f"{self.max_rows + 1}{where} differs by {self.first_diff:.3g}): drafts capped at "
+                    f"{self.max_rows - 1}")
+        where = f" at position {self.at_position}" if self.at_position != PROBE_PREFIX else ""
+        return (f"self-check failed: a 2-row batch{where} differs from one-token decoding by {self.first_diff:.3g} "
                 "(this model's kernels are not batch-invariant here)")
 
 
@@ -87,22 +97,31 @@ def _decode(ctx, toks: list[int], pos0: int, n_vocab: int, one_by_one: bool) -> 
     return np.stack(rows)
 
 
-def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator) -> float:
+def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator, n_prefix: int = PROBE_PREFIX) -> float:
     """Largest |logit difference| between a k-row batch (+ PROBE_AFTER tokens after it) and
-    the same tokens decoded one by one, after the same prefix."""
+    the same tokens decoded one by one, after the same n_prefix-token prefix (decoded in chunks
+    of n_batch from position 0, as exact mode prefills)."""
     mem = llama_cpp.llama_get_memory(ctx)
-    toks = [int(t) for t in rng.integers(0, n_vocab, PROBE_PREFIX + k + PROBE_AFTER)]
-    prefix, block, after = toks[:PROBE_PREFIX], toks[PROBE_PREFIX:PROBE_PREFIX + k], toks[PROBE_PREFIX + k:]
+    n_batch = int(llama_cpp.llama_n_batch(ctx))
+    toks = [int(t) for t in rng.integers(0, n_vocab, n_prefix + k + PROBE_AFTER)]
+    prefix, block, after = toks[:n_prefix], toks[n_prefix:n_prefix + k], toks[n_prefix + k:]
     out = []
     for one_by_one in (False, True):
         llama_cpp.llama_memory_clear(mem, True)
-        _decode(ctx, prefix, 0, n_vocab, False)
-        rows = _decode(ctx, block, PROBE_PREFIX, n_vocab, one_by_one)
-        rows = np.concatenate([rows, _decode(ctx, after, PROBE_PREFIX + k, n_vocab, True)])
+        for c in range(0, n_prefix, n_batch):
+            _decode(ctx, prefix[c:c + n_batch], c, n_vocab, False)
+        rows = _decode(ctx, block, n_prefix, n_vocab, one_by_one)
+        rows = np.concatenate([rows, _decode(ctx, after, n_prefix + k, n_vocab, True)])
         out.append(rows)
     llama_cpp.llama_memory_clear(mem, True)
     a, b = out
     return 0.0 if np.array_equal(a, b) else float(np.nanmax(np.abs(a - b)))
+
+
+def reference_kernels(ctx, on: bool = True) -> int:
+    """Put the target context's CPU backends into ggml's reference kernels, or back
+    (``dflash_context_reference_kernels``): the number of CPU backends set, -1 if unsupported."""
+    return int(_native.lib.dflash_context_reference_kernels(_native.ptr("struct llama_context *", ctx), on))
 
 
 def settings(repacked: bool) -> dict:
@@ -110,23 +129,36 @@ def settings(repacked: bool) -> dict:
     return {**EXACT_SETTINGS, "use_extra_bufts": bool(repacked)}
 
 
-def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool = False) -> str:
+def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool, long: bool) -> str:
     return key_of(*file_id(model_path), *build_id(), n_threads, n_rows,
-                  json.dumps(settings(repacked), sort_keys=True))
+                  json.dumps(settings(repacked), sort_keys=True), PROBE_VERSION, long)
 
 
-def _max_rows(ctx, model, n_rows: int) -> tuple[int, float]:
+def _max_rows(ctx, model, n_rows: int) -> tuple[int, float, int]:
     """The largest k <= n_rows such that batches of 2..k rows are bit-identical to one-token
-    decoding, and the logit gap of the first size that was not (0.0 when none)."""
+    decoding -- after a short prefix, and (the smallest and the largest of them) after a long one
+    where the context holds it -- with the logit gap and the position of the first batch that was
+    not (0.0 and PROBE_PREFIX when none)."""
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     rng = np.random.default_rng(1234)
     max_rows = 1
     for k in range(2, n_rows + 1):
         diff = _probe(ctx, n_vocab, k, rng)
         if diff != 0.0:
-            return max_rows, diff
+            return max_rows, diff, PROBE_PREFIX
         max_rows = k
-    return max_rows, 0.0
+    if _reaches_long(ctx, n_rows):
+        for k in sorted({2, max_rows}):
+            diff = _probe(ctx, n_vocab, k, rng, PROBE_LONG)
+            if diff != 0.0:
+                return k - 1, diff, PROBE_LONG
+    return max_rows, 0.0, PROBE_PREFIX
+
+
+def _reaches_long(ctx, n_rows: int) -> bool:
+    """Whether the context holds the long probe (llama.cpp sizes contexts in multiples of 256, and
+    one of 256 never spans the 512-cell KV view the long probe is for)."""
+    return int(llama_cpp.llama_n_ctx(ctx)) >= PROBE_LONG + n_rows + PROBE_AFTER
 
 
 _layouts: dict[str, bool] = {}  # this process's picks: the loader and the engine core agree
@@ -134,27 +166,29 @@ _layouts: dict[str, bool] = {}  # this process's picks: the loader and the engin
 
 def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0) -> bool:
     """Whether exact mode loads this target with llama.cpp's repacked CPU weights (True) or the
-    plain layout (False).  Repacked wherever a 2-row batch is bit-identical to one-token decoding
-    (probed on a throw-away load): it is llama.cpp's default because it is faster, and on this CPU
-    it was at every batch size that can verify a draft (bench/bench_exact.py, "cost": Q4_0 one
-    token 9.5 ms against 12.4, Qwen2.5-Coder-1.5B Q4_K_M 64 against 85), even where the plain
-    layout stays invariant up to more rows (K-quants: 7 against 3-4, drafts of 6 against 2-3).
+    plain layout (False): the one whose batches stay bit-invariant up to more rows (probed up to
+    ``PROBE_ROWS`` on a throw-away load of each), the repacked one on a tie.  Repacked weights are
+    llama.cpp's default because they are faster: on this CPU at every batch size measured (Q4_0
+    one token 9.5 ms against 12.4; Qwen2.5-Coder-1.5B Q4_K_M 64 against 85 ms;
+    bench/bench_exact.py, "cost"), and Q4_0, Q8_0 and the other legacy types stay invariant up to
+    16 rows either way.  K-quants stay invariant longer in the plain layout (7 rows against 3-4:
+    drafts of 6, and room for concurrent requests in a joint batch), IQ4_NL only repacked.
     Offloaded layers never repack: False.  Cached per (model file, llama.cpp build, threads); the
     engine's own self-check still decides what the loaded target may verify."""
     path = os.fspath(model_path)
     if n_gpu_layers or not os.path.isfile(path):  # (a missing file: the caller's own load reports it)
         return False
     n_threads = n_threads or _native.default_threads()
-    key = key_of("layout", *file_id(path), *build_id(), n_threads, json.dumps(EXACT_SETTINGS))
+    key = key_of("layout", *file_id(path), *build_id(), n_threads, json.dumps(EXACT_SETTINGS), PROBE_VERSION)
     if key in _layouts:
         return _layouts[key]
     store = JsonStore("exact-verdicts.json")
     hit = store.get(key)
     if not isinstance(hit, bool):
-        rows = _probe_layout(path, n_threads, True)
-        if rows is None:  # not loadable: the caller's own load reports why
+        rows = {repacked: _probe_layout(path, n_threads, repacked) for repacked in (True, False)}
+        if None in rows.values():  # not loadable: the caller's own load reports why
             return False
-        hit = rows >= 2
+        hit = rows[True] >= rows[False]
         store.put(key, hit)
     _layouts[key] = hit
     return hit
@@ -168,7 +202,7 @@ def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
         return None
     try:
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = 64
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 64, 64  # (room for the long probe)
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.no_perf = True
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -176,7 +210,8 @@ def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
         if not ctx:
             return None
         try:
-            return _max_rows(ctx, model, 2)[0]
+            reference_kernels(ctx)
+            return _max_rows(ctx, model, PROBE_ROWS)[0]
         finally:
             llama_cpp.llama_free(ctx)
     finally:
@@ -192,13 +227,14 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
     if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
         raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
-    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked) if model_path else ""
+    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, _reaches_long(ctx, n_rows)) \
+        if model_path else ""
     store = JsonStore("exact-verdicts.json")
     if key and isinstance(hit := store.get(key), dict):
         with contextlib.suppress(TypeError):  # an entry of another version: probe again
             return Verdict(**hit)
-    max_rows, diff = _max_rows(ctx, model, n_rows)
-    v = Verdict(max_rows, n_rows, diff, key, bool(repacked))
+    max_rows, diff, at = _max_rows(ctx, model, n_rows)
+    v = Verdict(max_rows, n_rows, diff, key, bool(repacked), at)
     if key:
         store.put(key, asdict(v))
     return v
