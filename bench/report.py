@@ -549,8 +549,9 @@ def exact() -> list[str]:
     out = ["## Exact mode", "", *[f"{part}: " + _source(v["command"], v["date"], "exact.json") for part, v in
                                   runs.items()], "",
            f"Exact mode's settings: `{json.dumps(r['exact_settings'])}` (model `use_extra_bufts`: llama.cpp's "
-           "repacked CPU weights or the plain layout, as `core.exact.weight_layout` picks; context flash "
-           "attention). A size is invariant when a verify batch of that many rows, and the two one-token decodes "
+           "repacked CPU weights or the plain layout, whichever stays invariant longer, as `core.exact.weight_layout` "
+           "picks; context flash attention; ggml's reference CPU kernels on the context, since 2026-12-03). "
+           "A size is invariant when a verify batch of that many rows, and the two one-token decodes "
            "after it, give bit-identical logits to decoding the same tokens one by one (the self-check's probe); "
            "\"64\" is a 64-row prefill (the same batch in plain and speculative runs, so not needed for identity).",
            ""]
@@ -574,7 +575,8 @@ def exact() -> list[str]:
         out += ["| SmolLM2-135M as | default settings | " + " | ".join(shown.get(n, n) for n in names) +
                 " | exact mode's layout: drafts up to |", "|---" * (3 + len(names)) + "|"]
         for t, d in inv.items():
-            pick = "exact, repacked" if longest(d.get("exact, repacked", {})) >= 2 else "exact"
+            rep, plain = longest(d.get("exact, repacked", {})), longest(d.get("exact", {}))
+            pick = "exact, repacked" if rep >= plain else "exact"
             k = longest(d.get(pick, {}))
             out.append(f"| {t} | {run(d['default'])} | " + " | ".join(run(d[n]) if n in d else "—" for n in names) +
                        f" | {k - 1 if k >= 2 else 'refused'} ({'repacked' if pick != 'exact' else 'plain layout'}) |")
@@ -609,8 +611,8 @@ def exact() -> list[str]:
     ident = r.get("identity")
     if ident:
         st = r["identity_settings"]
-        layout = r.get("identity_layout", "exact mode's plain layout (no repacked weights; before 2026-12-03 exact "
-                                          "mode always used it)")
+        layout = r.get("identity_layout", "the settings before 2026-12-03 (the plain layout, no reference kernels; "
+                                          "every run under 256 positions, where those were exact)")
         out += [f"Speculative vs plain, token for token: {st['prompts']} prompts × (greedy + {st['seeds']} seeds at "
                 f"T = 0.8), {st['max_tokens']} tokens each; exact mode with {layout}.", "",
                 "| target / mode / drafter | " + " | ".join(f"n = {n}" for n in ("1", "3", "7", "15")) + " |",

@@ -127,8 +127,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-EXACT_HELP = ("exact mode: load the target with batch-invariant settings (flash attention; repacked weights where "
-              "they are invariant) and self-check them, so speculative output is bit-identical to plain decoding")
+EXACT_HELP = ("exact mode: load the target with batch-invariant settings (flash attention, reference CPU kernels, "
+              "the weight layout that stays invariant longer) and self-check them, so speculative output is "
+              "bit-identical to plain decoding")
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
 

@@ -35,9 +35,9 @@ from ..errors import DFlashError
 #   model:   use_extra_bufts = the layout `weight_layout` picks: llama.cpp's repacked CPU weights
 #            (its default; they run 2-3 rows as one-row products and 4+ through another kernel)
 #            or the plain layout, whichever stays bit-invariant up to more rows (repacked on a
-#            tie).  On this CPU repacked weights stay invariant up to 16 rows for Q4_0/Q4_1/Q5_x/
-#            Q8_0 as the plain layout does, 7 for IQ4_NL (plain: none), 3-7 for K-quants (plain:
-#            7-8); bench/bench_exact.py, "invariance".
+#            tie).  With the reference kernels below, on this CPU both stay invariant up to 16 rows
+#            for every quantized type but these: IQ4_NL only repacked, Q3_K_M / Q4_K_M repacked only
+#            up to 3 (plain: 16); F16 / BF16 in neither; bench/bench_exact.py, "invariance".
 #   backend: ggml's reference CPU kernels (`reference_kernels`): past 256 positions the optimized
 #            one-token flash attention splits the KV across threads and rounds apart from a batch.
 EXACT_SETTINGS = {"use_extra_bufts": False, "flash_attn": True, "reference_kernels": True}  # the plain layout's
@@ -171,8 +171,8 @@ def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n
     llama.cpp's default because they are faster: on this CPU at every batch size measured (Q4_0
     one token 9.5 ms against 12.4; Qwen2.5-Coder-1.5B Q4_K_M 64 against 85 ms;
     bench/bench_exact.py, "cost"), and Q4_0, Q8_0 and the other legacy types stay invariant up to
-    16 rows either way.  K-quants stay invariant longer in the plain layout (7 rows against 3-4:
-    drafts of 6, and room for concurrent requests in a joint batch), IQ4_NL only repacked.
+    16 rows either way.  Q3_K_M / Q4_K_M stay invariant longer in the plain layout (16 rows against
+    3: longer drafts, and room for concurrent requests in a joint batch), IQ4_NL only repacked.
     Offloaded layers never repack: False.  Cached per (model file, llama.cpp build, threads); the
     engine's own self-check still decides what the loaded target may verify."""
     path = os.fspath(model_path)
