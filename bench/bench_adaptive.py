@@ -12,7 +12,7 @@ default model and the shipped drafter, greedy and T = 0.7 (match verification, o
     (from the run at n_max) and pays the cost model's times -- the best any length policy can do
     with this drafter on this machine.
 With --exact our loop runs in exact mode (flash attention, the weight layout core.exact.weight_layout
-picks; every greedy output checked identical to our plain one) and a third peer joins: llama-cpp-python
+picks; every adaptive output checked identical to our plain one) and a third peer joins: llama-cpp-python
 under the same settings (llama_cpp.Llama(flash_attn=True), same layout, ggml's reference CPU kernels),
 whose greedy output ours must equal token for token.
 Prompt sets: the first --problems HumanEval problems (held out of the drafter's training), a prose /

@@ -693,8 +693,9 @@ def adaptive() -> list[str]:
     if (HERE / "adaptive_exact.json").is_file():
         re_ = _load("adaptive_exact.json")
         out += ["### In exact mode", "",
-                "Our loop in exact mode (flash attention, repacked weights where invariant; every greedy output "
-                "checked identical to our plain one and to llama-cpp-python's under the same settings), against "
+                "Our loop in exact mode (flash attention, the weight layout it picks, reference CPU kernels; every "
+                "adaptive output checked identical to our plain one, and our plain greedy output to "
+                "llama-cpp-python's under the same settings), against "
                 "llama-cpp-python at its defaults and under exact mode's settings.", "",
                 *_adaptive_sets(re_, "adaptive_exact.json")]
     out += policy_reach()

@@ -4,13 +4,15 @@ Speculative decoding evaluates committed tokens as rows of verify batches; plain
 per ``llama_decode``.  Where the backend's kernels round the same for both, every committed
 position sees bit-identical logits, so greedy output is token-identical and a seeded sampled
 run draws the same text with and without the drafter.  Exact mode loads the target with the
-settings that make this possible on llama.cpp's CPU backend (``EXACT_SETTINGS``) and then
-checks, not assumes, that it holds: :func:`self_check` decodes a probe both ways and compares
-the logits bitwise, for every batch size the loop may verify, and the K/V those batches leave
-behind (two tokens decoded after each batch must match too).  Kernels switch paths at some batch
-sizes (e.g. K-quant matrix products from 4-5 rows on this CPU), so the verdict is the largest
-batch that is invariant together with every smaller one; the draft length is capped below it.
-The verdict is cached per (model file, settings, llama.cpp build, threads).
+settings that make this possible on llama.cpp's CPU backend (flash attention, the weight layout
+:func:`weight_layout` picks, ggml's reference kernels: :func:`settings`, :func:`reference_kernels`)
+and then checks, not assumes, that it holds: :func:`self_check` decodes a probe both ways and
+compares the logits bitwise, for every batch size the loop may verify (after a short prefix; the
+smallest and largest also after a long one), and the K/V those batches leave behind (two tokens
+decoded after each batch must match too).  Kernels switch paths at some batch sizes (e.g.
+repacked K-quant matrix products from 4 rows on this CPU), so the verdict is the largest batch
+that is invariant together with every smaller one; the draft length is capped below it.  The
+verdict is cached per (model file, settings, llama.cpp build, threads).
 
 The drafter plays no part in exactness: it only proposes tokens, the target decides each one.
 """
@@ -169,7 +171,7 @@ def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n
     plain layout (False): the one whose batches stay bit-invariant up to more rows (probed up to
     ``PROBE_ROWS`` on a throw-away load of each), the repacked one on a tie.  Repacked weights are
     llama.cpp's default because they are faster: on this CPU at every batch size measured (Q4_0
-    one token 9.5 ms against 12.4; Qwen2.5-Coder-1.5B Q4_K_M 64 against 85 ms;
+    one token 9.2 ms against 11.5; Qwen2.5-Coder-1.5B Q4_K_M 62 against 82 ms;
     bench/bench_exact.py, "cost"), and Q4_0, Q8_0 and the other legacy types stay invariant up to
     16 rows either way.  Q3_K_M / Q4_K_M stay invariant longer in the plain layout (16 rows against
     3: longer drafts, and room for concurrent requests in a joint batch), IQ4_NL only repacked.
