@@ -376,6 +376,9 @@ struct dflash_step {
     int32_t n_conf;        /* slots with a confidence in conf: those the drafter returned (greedy drafts;
                             * 0 for a draft source or a sampled draft) */
     float   conf[DFLASH_MAX_DRAFT]; /* the drafter's confidence per returned slot (what adaptive steps calibrate) */
+    double  t_draft;       /* seconds: drafting (injecting queued feature rows included) */
+    double  t_verify;      /* seconds: the verify decode and the accept loop (in a group: the joint decode) */
+    double  t_predicted;   /* the cost model's t_draft + t_verify for this step (0 before it has one) */
 };
 typedef void (*dflash_step_fn)(void * user_data, const struct dflash_step * step);
 

@@ -32,6 +32,7 @@ struct step_plan {
     int32_t n_conf;                        // traces: slots the drafter returned with a confidence in conf_buf
     float anchor_margin;                   // traces: the anchor row's top-1 minus top-2 logit
     double t_draft;
+    double t_predicted;                    // the cost model's draft + verify time (0: none)
     int32_t n_injected;                    // queued feature rows the draft injected (part of t_draft)
 };
 
@@ -576,9 +577,10 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
+    pl->t_predicted = 0.0;
     if (adaptive || e->policy.have_costs) {  // (a fixed-length step is predicted once a cost model exists)
-        st->t_predicted_s +=
-            dflash_policy_t_draft(&e->policy, n_made) + dflash_policy_t_verify(&e->policy, n_drafted + 1);
+        pl->t_predicted = dflash_policy_t_draft(&e->policy, n_made) + dflash_policy_t_verify(&e->policy, n_drafted + 1);
+        st->t_predicted_s += pl->t_predicted;
     }
     if (adaptive) {
         st->plain_steps += n_made == 0;
@@ -697,6 +699,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
             .step = st->steps, .drafted = n_drafted, .accepted = n_acc, .committed = e->n_hist,
             .target_len = target_len(e), .drafter_len = e->drafter ? dflash_state_n_ctx_used(e->st) : e->n_past,
             .made = n_made, .anchor_margin = pl->anchor_margin, .n_conf = pl->n_conf,
+            .t_draft = pl->t_draft, .t_verify = t_v, .t_predicted = pl->t_predicted,
         };
         memcpy(s.conf, pl->conf_buf, sizeof(float) * (size_t) pl->n_conf);
         e->step_fn(e->step_ud, &s);

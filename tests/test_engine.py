@@ -122,6 +122,24 @@ def test_step_records_confidence_and_anchor_margin(artifacts):
         assert all(s["conf"] == [] for s in steps) and sum(s["made"] for s in steps) > 0
 
 
+def test_step_records_carry_their_times(artifacts, tmp_path, monkeypatch):
+    """Each step's record carries its measured draft and verify seconds, which add up to the run's
+    stats, and the cost model's prediction for it (adaptive steps; what the stats sum)."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=2) as g:
+        toks = g.tokenize(PROMPTS[0])
+        for kw in (dict(draft_len=3, speculation="on"), dict(speculation="auto"), dict(draft_len=0)):
+            steps: list[dict] = []
+            st = g.generate(toks, 32, stop_on_eos=False, on_step=steps.append, **kw).stats
+            assert steps and all(s["t_verify"] > 0 and s["t_draft"] >= 0 for s in steps), kw
+            assert all(s["t_draft"] > 0 for s in steps if s["made"]), kw
+            assert abs(sum(s["t_draft"] for s in steps) - st.t_draft_s) < 1e-6, kw
+            assert abs(sum(s["t_verify"] for s in steps) - st.t_verify_s) < 1e-6, kw
+            assert abs(sum(s["t_predicted"] for s in steps) - st.t_predicted_s) < 1e-6, kw
+            if kw.get("speculation") == "auto":
+                assert all(s["t_predicted"] > 0 for s in steps)
+
 def test_plain_same_path_matches_llama_cpp(artifacts):
     """draft_len=0 is ordinary greedy decoding: the same tokens as llama_cpp.Llama."""
     import llama_cpp

@@ -295,7 +295,8 @@ class EngineCore(_native.Resource):
                 try:
                     on_step({"step": s.step, "drafted": s.drafted, "accepted": s.accepted,
                              "committed": s.committed, "target_len": s.target_len, "drafter_len": s.drafter_len,
-                             "made": s.made, "anchor_margin": s.anchor_margin, "conf": list(s.conf[0:s.n_conf])})
+                             "made": s.made, "anchor_margin": s.anchor_margin, "conf": list(s.conf[0:s.n_conf]),
+                             "t_draft": s.t_draft, "t_verify": s.t_verify, "t_predicted": s.t_predicted})
                 except BaseException as ex:
                     r.errors.append(ex)
             step_cb = ffi.callback("dflash_step_fn", _step)

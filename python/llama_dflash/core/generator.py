@@ -177,7 +177,9 @@ class SpeculativeGenerator(_native.Resource):
         drafts made, verified and accepted (made, drafted, accepted), the drafter's confidence per
         slot it returned (conf, greedy drafts; empty for a draft source) and the raw top-1 minus
         top-2 logit of the row that gave the anchor (anchor_margin; NaN after a rejection's
-        resample).  reuse_prefix keeps the previous generation's KV / drafter cache for the
+        resample), and the step's measured seconds of drafting and verifying beside the cost
+        model's prediction of their sum (t_draft, t_verify, t_predicted; 0 before a cost model).
+        reuse_prefix keeps the previous generation's KV / drafter cache for the
         common prefix (a chat's earlier turns) and prefills only the rest.  speculation: "auto"
         chooses each step's draft length in 0..draft_len from the measured cost model and the
         drafter's calibrated confidence (the default when draft_len is not given), "on" drafts
