@@ -164,7 +164,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         steps: list[dict] = []
         g.generate(toks, a.max_tokens, draft_len=g.max_draft_len, speculation="on", stop_on_eos=False,
                    on_step=steps.append)
-        ceiling = (plain.stats.n_generated - 1) / g.oracle_seconds([s["accepted"] for s in steps])
+        ceiling = plain.stats.tokens_per_s * g.ceiling([s["accepted"] for s in steps])
     same = plain.tokens == spec.tokens
     if a.json:
         print(json.dumps({"target": str(target), "drafter": str(drafter), "trained_drafter": trained,

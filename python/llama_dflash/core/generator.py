@@ -238,11 +238,12 @@ class SpeculativeGenerator(_native.Resource):
         """The adaptive steps' cost model and calibration as refined so far (see EngineCore)."""
         return self._core.cost_model() if self._core is not None else None
 
-    def oracle_seconds(self, accepted: Sequence[int]) -> float:
-        """The best any draft-length policy can do (see EngineCore.oracle_seconds)."""
+    def ceiling(self, accepted: Sequence[int]) -> float:
+        """The best any draft-length policy can do, as a speedup over plain decoding (see
+        EngineCore.ceiling)."""
         if self._core is None:
             raise DFlashError("generator is closed")
-        return self._core.oracle_seconds(accepted)
+        return self._core.ceiling(accepted)
 
     @property
     def feature_width(self) -> int:
