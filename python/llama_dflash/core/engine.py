@@ -335,15 +335,17 @@ class EngineCore(_native.Resource):
     def ceiling(self, accepted: Sequence[int]) -> float:
         """The ceiling of any length policy with this drafter, as a speedup over plain decoding:
         steps that each draft and verify exactly the tokens a run at n_max got accepted
-        (``accepted``, one count per step; 0: a plain step), against plain steps over the same
-        tokens, both priced by the cost model (a ratio: the model's one-row time and the hour's
-        measured plain speed may differ by several per cent, and the ceiling is applied to the
-        measured plain speed)."""
+        (``accepted``, one count per step; 0: a plain step), or plain steps over those tokens where
+        they cost less, against plain steps over all the tokens, both priced by the cost model (a
+        ratio: the model's one-row time and the hour's measured plain speed may differ by several
+        per cent, and the ceiling is applied to the measured plain speed)."""
         if self._engine is None:
             raise DFlashError("the engine is closed")
         acc = [int(a) for a in accepted]
-        oracle = sum(lib.dflash_engine_step_cost(self._engine, a, a) for a in acc)
-        plain = sum(a + 1 for a in acc) * lib.dflash_engine_step_cost(self._engine, 0, 0)
+        t1 = lib.dflash_engine_step_cost(self._engine, 0, 0)
+        # (a step whose accepted drafts cost more than plain steps over its tokens is taken plainly)
+        oracle = sum(min(lib.dflash_engine_step_cost(self._engine, a, a), (a + 1) * t1) for a in acc)
+        plain = sum(a + 1 for a in acc) * t1
         return plain / oracle if oracle > 0 else 1.0
 
     def forget(self) -> None:
