@@ -18,9 +18,10 @@ struct dflash_policy {
     struct dflash_calibration cal;
     double recent[DFLASH_MAX_DRAFT]; // the drafter's acceptance of a reached slot per position, EMA (sizes the
                                      // first drafts; a cut without confidences)
-    // What the cut made of a draft's first m slots (its expected gain over a plain step, the draft's
-    // own time left out), EMA over drafts, m = 1 .. n_valued: sizes drafts once known; [0] alone,
-    // [1] in a joint batch (its rows are priced otherwise)
+    // What slot m added to what the cut made of a draft (the expected gain over a plain step of the
+    // best cut within its first m slots, less that within m - 1; the draft's own time left out), EMA
+    // over the drafts that had slot m, m = 1 .. n_valued: their sum to m sizes drafts once known;
+    // [0] alone, [1] in a joint batch (its rows are priced otherwise)
     double value[2][DFLASH_MAX_DRAFT];
     int32_t n_valued[2];
     int32_t explore_in;           // drafts until the next one made whole (DRAFT_EXPLORE)

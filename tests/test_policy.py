@@ -245,6 +245,7 @@ def test_llama_speculates_adaptively_by_default(cache):
 
 TV = [7.07e-3, 12.03e-3, 13.82e-3, 14.3e-3, 18.02e-3, 21.28e-3, 22.2e-3, 21.25e-3]  # the default model, quiet
 TD = [1.73e-3, 2.56e-3, 2.2e-3, 2.48e-3, 2.44e-3, 2.51e-3, 2.77e-3]
+TD_CHEAP = [1.2e-3, 1.35e-3, 1.45e-3, 1.55e-3, 1.98e-3, 2.22e-3, 2.22e-3]  # the q4_0 drafter's, a medium hour
 
 
 def _trace(accepts, conf):
@@ -315,6 +316,30 @@ def test_replay_drafts_are_sized_by_what_the_cut_makes_of_them():
     # every step drafting one token costs TD[0] + TV[1] for 2 tokens
     assert r["seconds"] <= 1.05 * sum(map(len, traces)) / 2 * (TD[0] + TV[1]), r
 
+
+def test_replay_drafts_grow_only_for_slots_the_cut_keeps():
+    """The cut keeps 3 slots everywhere (the 4th and later are never confident), first in text where
+    the drafter is always right, then where its first slot often fails. What slots 4 .. 7 add is
+    learnt from the drafts that had them, within each draft: nothing, so drafts stay 3 long but for
+    the one in 8 made whole (3.5 a draft). Learnt as whole values per length, the longer lengths kept
+    the first text's level while the 3-slot value fell, and drafts ran 5 long (2026-12-03)."""
+    import random
+
+    rng = random.Random(0)
+
+    def gen(good: bool):
+        tr = []
+        for j in range(128):
+            c0 = 0.97 if good else rng.uniform(0.5, 1.0)
+            a = 3 if good or rng.random() < c0 else 0
+            tr.append((min(a, 127 - j), [c0, 0.95, 0.95] + [0.2] * 4))
+        return tr
+
+    first_text = [gen(True) for _ in range(4)]
+    both = policy.replay(first_text + [gen(False) for _ in range(6)], TV, TD_CHEAP, 7, passes=1)
+    first = policy.replay(first_text, TV, TD_CHEAP, 7, passes=1)
+    drafts = both["steps"] - both["plain_steps"] - (first["steps"] - first["plain_steps"])
+    assert drafts > 100 and (both["made"] - first["made"]) / drafts <= 3.6, (both, first)  # (5.0 before)
 
 def test_replay_without_confidences_uses_recent_acceptance():
     """A draft source gives no confidences: the recent acceptance decides, and always-right drafts
