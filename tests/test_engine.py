@@ -140,6 +140,7 @@ def test_step_records_carry_their_times(artifacts, tmp_path, monkeypatch):
             if kw.get("speculation") == "auto":
                 assert all(s["t_predicted"] > 0 for s in steps)
 
+
 def test_plain_same_path_matches_llama_cpp(artifacts):
     """draft_len=0 is ordinary greedy decoding: the same tokens as llama_cpp.Llama."""
     import llama_cpp

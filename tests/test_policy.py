@@ -5,6 +5,7 @@ drafts where drafts pay and stops where they do not."""
 from __future__ import annotations
 
 import json
+import random
 
 import llama_cpp
 import pytest
@@ -323,8 +324,6 @@ def test_replay_drafts_grow_only_for_slots_the_cut_keeps():
     learnt from the drafts that had them, within each draft: nothing, so drafts stay 3 long but for
     the one in 8 made whole (3.5 a draft). Learnt as whole values per length, the longer lengths kept
     the first text's level while the 3-slot value fell, and drafts ran 5 long (2026-12-03)."""
-    import random
-
     rng = random.Random(0)
 
     def gen(good: bool):
@@ -340,6 +339,7 @@ def test_replay_drafts_grow_only_for_slots_the_cut_keeps():
     first = policy.replay(first_text, TV, TD_CHEAP, 7, passes=1)
     drafts = both["steps"] - both["plain_steps"] - (first["steps"] - first["plain_steps"])
     assert drafts > 100 and (both["made"] - first["made"]) / drafts <= 3.6, (both, first)  # (5.0 before)
+
 
 def test_replay_without_confidences_uses_recent_acceptance():
     """A draft source gives no confidences: the recent acceptance decides, and always-right drafts
