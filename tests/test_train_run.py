@@ -476,5 +476,13 @@ def test_package_and_raw_completion_prompt_sources(artifacts):
         assert prompt_ids(tok, chat) == tok.tokenize(chat.render().encode(), add_bos=False, special=True)
         assert prompt_ids(tok, raw) == tok.tokenize(raw.text.encode(), add_bos=True, special=False)
     assert [p.key for p in training_prompts(sources=DEFAULT_SOURCES)] == [p.key for p in training_prompts()]
+    # package-more / raw-more: the same packages' functions package-code left out, none of them again
+    extra = training_prompts(sources=("package-more", "raw-more"))
+    ex = {s: [p for p in extra if p.source == s] for s in ("package-more", "raw-more")}
+    assert len(ex["package-more"]) > 1000 and abs(len(ex["raw-more"]) - len(ex["package-more"])) < 100
+    assert not {p.key for p in ex["package-more"]} & {p.key for p in by["package-code"]}
+    assert {p.key.split(".")[0] for p in ex["package-more"]} >= {"scipy", "sympy"}
+    assert not any(overlaps_humaneval(p.text, names, lines) for p in extra)
+    assert all(p.raw and p.key.startswith("raw:") for p in ex["raw-more"])
     with pytest.raises(ValueError, match="unknown prompt source"):
         training_prompts(sources=("nope",))

@@ -520,8 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the loss against the target's top-k distribution (default 0: the generated "
                         "tokens only; needs --top-k > 0)")
     t.add_argument("--prompt-sources", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
-                   metavar="A,B", help="prompt sources (stdlib-code, authored, package-code, raw-code; default "
-                                       "stdlib-code,authored; docs/training-data.md)")
+                   metavar="A,B", help="prompt sources (stdlib-code, authored, package-code, raw-code, "
+                                       "package-more, raw-more; default stdlib-code,authored; "
+                                       "docs/training-data.md)")
     t.add_argument("--init", default=None, metavar="RUN_DIR|DRAFTER.gguf",
                    help="start from a finished run's final weights, or from a DFlash2 drafter file (e.g. the "
                         "shipped one; same drafter shape and target; its draft vocabulary is kept), and train "

