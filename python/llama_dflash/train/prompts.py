@@ -189,27 +189,32 @@ def _cached_collection(name: str, version: tuple, collector: str) -> list[tuple[
     return [tuple(x) for x in json.loads(path.read_text())]
 
 
-def _collect_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
+def _package_modules(pkg: str, skip: str):
+    """The importable modules of package `pkg` (itself first, then its submodules by name) whose
+    name below it does not match `skip`; none when it does not import. Call under
+    warnings.catch_warnings: importing some modules warns (deprecated aliases)."""
     import pkgutil
 
+    try:
+        root = importlib.import_module(pkg)
+    except Exception:  # noqa: BLE001 - an unimportable package is skipped
+        return
+    for modname in [pkg] + sorted(m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".")
+                                  if not re.search(skip, m.name[len(pkg) + 1:])):
+        try:
+            yield importlib.import_module(modname)
+        except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
+            continue
+
+
+def _collect_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
     out = []
     for pkg in packages:
+        found: list[tuple[str, str, str]] = []
+        seen: set[str] = set()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                root = importlib.import_module(pkg)
-            except Exception:  # noqa: BLE001 - an unimportable package is skipped
-                continue
-            names = [pkg] + sorted(m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".")
-                                   if not re.search(r"(^|\.)(tests?|testing|_[^.]*|conftest|setup)(\.|$)",
-                                                    m.name[len(pkg) + 1:]))
-            found: list[tuple[str, str, str]] = []
-            seen: set[str] = set()
-            for modname in names:
-                try:
-                    mod = importlib.import_module(modname)
-                except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
-                    continue
+            for mod in _package_modules(pkg, r"(^|\.)(tests?|testing|_[^.]*|conftest|setup)(\.|$)"):
                 found += _documented(mod, seen, _package_doc)
         random.Random(pkg).shuffle(found)
         out += sorted(found[:_PER_PACKAGE])
@@ -253,7 +258,7 @@ def _package_doc(doc: str) -> str:
     return doc[:800]
 
 
-_MORE_COLLECTOR = 2  # the second collector's version (part of its cache key)
+_MORE_COLLECTOR = 2  # the second collector's version (part of its cache key; skipping __main__ kept its output)
 
 
 def _more_package_functions() -> list[tuple[str, str, str]]:
@@ -263,27 +268,18 @@ def _more_package_functions() -> list[tuple[str, str, str]]:
     return _cached_collection("package-more", ("more", _MORE_COLLECTOR), "_collect_more_package_functions")
 
 
-def _collect_more_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
-    import pkgutil
+# private modules are read too, but not tests, vendored code or a __main__ (numpy.f2py's runs the tool)
+_MORE_SKIP = r"(^|\.)(tests?|testing|conftest|setup|_vendor\w*|externals?|__main__)(\.|$)"
 
+
+def _collect_more_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
     first = {q for q, _, _ in _collect_package_functions(packages)}
     out = []
     for pkg in packages:
+        seen: set[str] = set(first)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                root = importlib.import_module(pkg)
-            except Exception:  # noqa: BLE001 - an unimportable package is skipped
-                continue
-            skip = r"(^|\.)(tests?|testing|conftest|setup|_vendor\w*|externals?)(\.|$)"
-            names = [pkg] + sorted(m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".")
-                                   if not re.search(skip, m.name[len(pkg) + 1:]))
-            seen: set[str] = set(first)
-            for modname in names:
-                try:
-                    mod = importlib.import_module(modname)
-                except Exception:  # noqa: BLE001 - optional backends, deprecated aliases
-                    continue
+            for mod in _package_modules(pkg, _MORE_SKIP):
                 out += _documented(mod, seen, _more_doc)
     return sorted(out)
 
