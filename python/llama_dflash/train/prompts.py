@@ -273,7 +273,7 @@ _MORE_SKIP = r"(^|\.)(tests?|testing|conftest|setup|_vendor\w*|externals?|__main
 
 
 def _collect_more_package_functions(packages: list[str]) -> list[tuple[str, str, str]]:
-    first = {q for q, _, _ in _collect_package_functions(packages)}
+    first = {q for q, _, _ in _package_functions()}  # (package-code's list, cached: not walked again)
     out = []
     for pkg in packages:
         seen: set[str] = set(first)
