@@ -30,7 +30,8 @@ from bench_heldout import score_run  # noqa: E402
 from llama_dflash.train.run import run_dataset, summary_of  # noqa: E402
 
 # the data run's settings a point must repeat to ask for the sequences that data holds
-_SAME = ("prompts", "max_new", "sampled_every", "samples", "seed", "feature_format", "top_k")
+_SAME = ("prompts", "max_new", "sampled_every", "samples", "temperatures", "seed", "feature_format", "top_k",
+         "prompt_sources")
 
 
 def train_point(a, spec: dict, size: int) -> Path:
@@ -42,8 +43,9 @@ def train_point(a, spec: dict, size: int) -> Path:
     if spec.get("prompt_sources"):  # (None: the default sources)
         cmd += ["--prompt-sources", ",".join(spec["prompt_sources"])]
     for k in _SAME:
-        if spec.get(k) is not None:
-            cmd += [f"--{k.replace('_', '-')}", str(spec[k])]
+        v = spec.get(k)
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
     if a.smoke:
         cmd.append("--smoke")
     print(" ".join(cmd), file=sys.stderr, flush=True)

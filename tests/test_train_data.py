@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.train.data import Dataset, DataSpec, build_features, generate_responses
+from llama_dflash.train.data import Dataset, DataSpec, build_features, generate_responses, wanted
 from llama_dflash.train.prompts import training_prompts
 from llama_dflash.train.store import RowStore, dequantize_q8, quantize_q8
 
@@ -67,7 +67,7 @@ def test_one_pass_rows_match_a_second_pass(artifacts, tmp_path, counted, monkeyp
 
     monkeypatch.setattr(BatchGenerator, "is_eog", lambda self, tok: tok % 5 == 0)  # early, staggered ends
     target = artifacts[name]["target"]
-    spec = DataSpec(target=target, taps=[0, 2, 4], max_new=12, n_seq=4, sampled_every=2, temperature=1.0, top_k=8,
+    spec = DataSpec(target=target, taps=[0, 2, 4], max_new=12, n_seq=4, sampled_every=2, temperatures=(1.0,), top_k=8,
                     feature_format="f16")
     generate_responses(tmp_path, spec, training_prompts(limit=8), log=lambda m: None)
     build_features(tmp_path, spec, training_prompts(limit=8), log=lambda m: None)
@@ -390,3 +390,42 @@ def test_another_runs_data_without_the_prompts_too_long_to_generate(artifacts, t
     assert len((d / "responses.jsonl").read_text().splitlines()) == n_want < 6
     index_shared(d, spec, prompts, tmp_path / "index.npy", log=lambda m: None)
     assert len(np.load(tmp_path / "index.npy")) == n_want
+
+
+def test_sampled_responses_at_several_temperatures(artifacts, tmp_path, monkeypatch):
+    """Each sampled prompt gets `samples` responses at every temperature, each its own seeded stream;
+    the first temperature keeps the streams data made before temperatures were a list had (so an
+    extended run's responses stay the ones it would make)."""
+    from llama_dflash.train import data as data_mod
+
+    seen: dict[str, list] = {}
+
+    class Recorder:  # stands in for the batched generator: records the jobs, generates nothing
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, jobs, max_new):
+            seen[tag] = [(tuple(j.prompt), j.temperature, j.seed) for j in jobs]
+            return iter(())
+
+    monkeypatch.setattr(data_mod, "BatchGenerator", Recorder)
+    target = artifacts["llama"]["target"]
+    prompts = training_prompts(limit=4)
+    for tag, temps in (("one", (0.7,)), ("two", (0.7, 1.0))):
+        spec = DataSpec(target=target, taps=[0, 2, 4], max_new=8, n_seq=4, sampled_every=2, samples=2,
+                        temperatures=temps, top_k=0)
+        want = {(p.key, 0.0, 0) for p in prompts} | {(p.key, t, k) for p in prompts[::2] for t in temps
+                                                       for k in (0, 1)}
+        assert wanted(spec, prompts) == want
+        generate_responses(tmp_path / tag, spec, prompts, log=lambda m: None)
+    one, two = seen["one"], seen["two"]
+    assert len(one) == 4 + 2 * 2 and len(two) == 4 + 2 * 2 * 2
+    assert set(one) <= set(two)  # T = 0.7's jobs (prompt, seed) unchanged by adding T = 1.0
+    hot = [j for j in two if j[1] == 1.0]
+    assert len(hot) == 4 and not {s for _, _, s in hot} & {s for _, t, s in two if t != 1.0}

@@ -62,6 +62,8 @@ def test_smoke_run_end_to_end(artifacts, tmp_path, capsys):
         print(f"\n[train --smoke] {wall:.1f} s end to end; stages {s['wall_s']}")
     assert s["data"]["sequences"] == 12 and s["data"]["sampled_sequences"] == 6  # 6 prompts, each also sampled
     assert set(s["data"]["prompt_sources"]) <= {"stdlib-code", "authored-code", "authored-general"}
+    assert s["data"]["licences"] and set(s["data"]["licences"].items()) <= {("python-stdlib", "PSF-2.0"),
+                                                                             ("llama-dflash (authored)", "MIT")}
     for v in ("v1", "v2", "tune"):
         assert [h["step"] for h in s["held_out"][v]] == [3, 6]
         assert len(s["held_out"][v][-1]["per_slot_accuracy"]) == 7
@@ -350,7 +352,9 @@ def test_train_cli_errors(artifacts, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "must be >= " in err and err.count("\n") == 1
     for bad, msg in ((["--distill", "1.5"], "distill must be >= 0 and <= 1"),
-                     (["--feature-format", "q4"], "invalid choice: 'q4'")):  # argparse's usage error
+                     (["--feature-format", "q4"], "invalid choice: 'q4'"),  # argparse's usage error
+                     (["--temperatures", "0.7,0"], "a temperature must be > 0"),
+                     (["--temperatures", "1.0,1"], "expected distinct comma-separated temperatures")):
         with pytest.raises(SystemExit):
             main(["train", "--smoke", "--target", artifacts["llama"]["target"], "--out", str(tmp_path / "r"), *bad])
         assert msg in capsys.readouterr().err
@@ -459,7 +463,7 @@ def test_package_and_raw_completion_prompt_sources(artifacts):
     create_completion does); HumanEval stays held out; the default mix is unchanged."""
     from llama_dflash.core import Tokenizer
     from llama_dflash.train.data import prompt_ids
-    from llama_dflash.train.prompts import DEFAULT_SOURCES, package_licences
+    from llama_dflash.train.prompts import DEFAULT_SOURCES, package_licences, prompt_licences
 
     lic = package_licences()
     assert {"numpy", "sympy"} <= lic.keys() and all("BSD" in v for v in lic.values()), lic
@@ -484,5 +488,9 @@ def test_package_and_raw_completion_prompt_sources(artifacts):
     assert {p.key.split(".")[0] for p in ex["package-more"]} >= {"scipy", "sympy"}
     assert not any(overlaps_humaneval(p.text, names, lines) for p in extra)
     assert all(p.raw and p.key.startswith("raw:") for p in ex["raw-more"])
+    # a run records where its prompts come from and under which licence
+    assert prompt_licences(by["raw-code"]) == {**{k: lic[k] for k in lic if k in
+                                                  {p.key[4:].split(".")[0] for p in by["raw-code"]}},
+                                               "python-stdlib": "PSF-2.0"}
     with pytest.raises(ValueError, match="unknown prompt source"):
         training_prompts(sources=("nope",))

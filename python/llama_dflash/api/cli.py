@@ -53,6 +53,15 @@ def _float(name: str, lo: float, hi: float | None = None, lo_open: bool = False)
     return parse
 
 
+def _floats(text: str) -> list[float]:
+    """argparse type: comma-separated distinct temperatures, each finite and > 0."""
+    parse = _float("a temperature", 0.0, lo_open=True)
+    vals = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not vals or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated temperatures, got {text!r}")
+    return vals
+
+
 def _seed(text: str) -> int:
     """A sampling seed: 0..2**32-1, or -1 (random: llama.cpp's default seed)."""
     v = _int(-1, 2**32 - 1)(text)
@@ -255,7 +264,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     spec = RunSpec.smoke(a.target) if a.smoke else RunSpec(target=a.target)
     for k in ("prompts", "max_new", "sampled_every", "samples", "max_sequences", "v1_steps", "v2_steps", "n_layer",
               "block_size", "outtype", "final_type", "seed", "draft_vocab", "tune_steps", "init", "feature_format",
-              "top_k", "distill", "prompt_sources", "data", "extend"):
+              "top_k", "distill", "prompt_sources", "data", "extend", "temperatures"):
         v = getattr(a, k)
         if v is not None:
             setattr(spec, k, v)
@@ -495,8 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompts", type=_int(-_I32), default=None, help="training prompts (0 = all)")
     t.add_argument("--max-new", type=_int(-_I32), default=None, help="response tokens per prompt")
     t.add_argument("--sampled-every", type=_int(-_I32), default=None,
-                   help="every k-th prompt also gets sampled responses at T = 0.7 (default 1; 0 = greedy only)")
-    t.add_argument("--samples", type=_int(-_I32), default=None, help="sampled responses per such prompt (default 1)")
+                   help="every k-th prompt also gets sampled responses (default 1; 0 = greedy only)")
+    t.add_argument("--samples", type=_int(-_I32), default=None,
+                   help="sampled responses per such prompt and temperature (default 1)")
+    t.add_argument("--temperatures", default=None, metavar="T,T", type=_floats,
+                   help="the sampled responses' temperatures, each > 0 (default 0.7; e.g. 0.7,1.0)")
     t.add_argument("--max-sequences", type=_int(-_I32), default=None,
                    help="train on at most this many generated sequences")
     t.add_argument("--v1-steps", type=_int(-_I32), default=None)

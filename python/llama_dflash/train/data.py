@@ -43,8 +43,8 @@ class DataSpec:
     max_new: int = 192
     max_prompt: int = 320
     sampled_every: int = 4          # every k-th prompt also gets sampled responses (0 = none)
-    samples: int = 1                # sampled responses per such prompt (each its own seed)
-    temperature: float = 0.7
+    samples: int = 1                # sampled responses per such prompt and temperature (each its own seed)
+    temperatures: tuple[float, ...] = (0.7,)  # the sampled responses' temperatures (each gets `samples`)
     n_seq: int = 32                 # sequences per decode
     held_out: float = 0.03          # fraction of prompts kept for validation
     max_sequences: int = 0          # train on at most this many sequences (0 = all)
@@ -97,8 +97,10 @@ def generate_responses(out: Path, spec: DataSpec, prompts: Sequence[Prompt], log
                     continue
                 j = len(meta)
                 meta[j] = (p, k)
-                # sample k > 0 of a prompt: its own stream; sample 0 keeps the seed runs before samples had
-                jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i + k * 100_003))
+                # sample k > 0 of a prompt, or a later temperature: its own stream; sample 0 at the first
+                # temperature keeps the seed runs had before samples and temperatures were added
+                ti = spec.temperatures.index(t) if t > 0 else 0
+                jobs.append(Job(j, ids, t, spec.seed * 1_000_003 + i + k * 100_003 + ti * 7_000_003))
     if not jobs:
         return path
     store = open_store(out, spec, reuse)
@@ -169,7 +171,7 @@ def open_store(out: Path, spec: DataSpec, reuse: Sequence[Path] = ()) -> RowStor
 def _runs(spec: DataSpec, i: int) -> list[tuple[float, int]]:
     """The (temperature, sample number) responses the spec asks for prompt number `i`."""
     sampled = spec.sampled_every and i % spec.sampled_every == 0
-    return [(0.0, 0)] + ([(spec.temperature, k) for k in range(spec.samples)] if sampled else [])
+    return [(0.0, 0)] + ([(t, k) for t in spec.temperatures for k in range(spec.samples)] if sampled else [])
 
 
 def wanted(spec: DataSpec, prompts: Sequence[Prompt]) -> set[tuple[str, float, int]]:

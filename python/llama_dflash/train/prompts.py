@@ -36,6 +36,7 @@ import re
 import sys
 import textwrap
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,20 @@ def package_licences() -> dict[str, str]:
             (m.get("License") or "unknown").splitlines()[0])
         out[name] = lic
     return out
+
+
+def prompt_licences(prompts: Sequence[Prompt]) -> dict[str, str]:
+    """{where a run's prompts come from: its licence}, recorded in the run's summary: each package's
+    from its installed metadata, the standard library's docstrings PSF-2.0, this project's MIT."""
+    lic = package_licences()
+    out = {}
+    for p in prompts:
+        if p.source.startswith("authored"):
+            out["llama-dflash (authored)"] = "MIT"
+        elif p.source != "humaneval":
+            top = p.key.removeprefix(RAW_KEY).split(".", 1)[0]
+            out[top if top in lic else "python-stdlib"] = lic.get(top, "PSF-2.0")
+    return dict(sorted(out.items()))
 
 
 def _package_functions() -> list[tuple[str, str, str]]:

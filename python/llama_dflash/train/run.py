@@ -18,10 +18,11 @@ only the tuning stage trains, on this run's data: more data without repeating th
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from ..formats.safetensors import write_safetensors
 from ..verify.reference import DFlashReference
 from .data import Dataset, DataSpec, Progress, build_features, generate_responses, index_shared, top_k_coverage
 from .loop import TrainConfig, Trainer, evaluate_source, exported_state, whiten_features, with_feature_scale
-from .prompts import DEFAULT_SOURCES, check_sources, training_prompts
+from .prompts import DEFAULT_SOURCES, check_sources, prompt_licences, training_prompts
 from .store import FORMATS, RowStore, StoreMismatch
 
 
@@ -44,8 +45,9 @@ class RunSpec:
     max_new: int = 192
     n_seq: int = 32                     # sequences per decode while generating (speed only: bench_data nseq)
     max_sequences: int = 0              # train on at most this many generated sequences (0 = all)
-    sampled_every: int = 1              # every k-th prompt also gets sampled responses (T = 0.7; 0 = none)
-    samples: int = 1                    # sampled responses per such prompt
+    sampled_every: int = 1              # every k-th prompt also gets sampled responses (0 = none)
+    samples: int = 1                    # sampled responses per such prompt and temperature
+    temperatures: list[float] = field(default_factory=lambda: [0.7])  # the sampled responses' temperatures
     taps: list[int] | None = None       # HF layer ids; default: z-lab's formula for 5 taps
     n_layer: int = 2
     block_size: int = 8
@@ -138,6 +140,9 @@ def check_spec(spec: RunSpec, t: dict) -> None:
                          f"got {spec.outtype!r} / {spec.final_type!r}")
     if spec.feature_format not in FORMATS:
         raise ValueError(f"feature_format must be {' or '.join(FORMATS)}, got {spec.feature_format!r}")
+    if not spec.temperatures or len(set(spec.temperatures)) != len(spec.temperatures) \
+            or not all(math.isfinite(t) and t > 0 for t in spec.temperatures):
+        raise ValueError(f"temperatures must be distinct and > 0, got {spec.temperatures!r}")
     if spec.init and spec.tune_steps < 1:
         raise ValueError("starting from an earlier run (init) trains the tuning stage only: tune_steps must be >= 1")
 
@@ -411,6 +416,7 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
     data_dir = shared or out / "data"
     dspec = DataSpec(target=spec.target, taps=spec.taps, max_new=spec.max_new, n_seq=spec.n_seq, seed=spec.seed,
                      max_sequences=spec.max_sequences, sampled_every=spec.sampled_every, samples=spec.samples,
+                     temperatures=tuple(spec.temperatures),
                      feature_format=spec.feature_format, top_k=spec.top_k)
     prompts = training_prompts(seed=spec.seed, limit=spec.prompts or None,
                                sources=spec.prompt_sources or DEFAULT_SOURCES)
@@ -434,7 +440,8 @@ def run(out: str | Path, spec: RunSpec, log=None) -> dict:
                        "train_sequences": len(ds.train_ids), "held_out_sequences": len(ds.val_ids),
                        "sampled_sequences": int((ds.index[:, 3] > 0).sum()),
                        "features_bytes": ds.n_tokens * ds.bytes_per_token,
-                       "prompt_sources": sorted({p.source for p in prompts})}
+                       "prompt_sources": sorted({p.source for p in prompts}),
+                       "licences": prompt_licences(prompts)}
     if ds.top_k:
         summary["data"]["top_k_coverage"] = round(top_k_coverage(ds.store, ds.index), 4)
         if spec.distill and summary["data"]["top_k_coverage"] < 0.9:
