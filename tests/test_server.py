@@ -381,7 +381,8 @@ def test_tools_json_schema_and_logprobs_over_http(server):
 def test_exact_model_setting_serves_bit_identical_output():
     """exact=True in the model settings: the served drop-in is loaded in exact mode (flash
     attention on although the proxy passes its default) and its completions equal plain
-    decoding under the same settings."""
+    decoding under the same settings; by default it drafts adaptively, and /metrics carries the
+    chosen lengths, predicted and measured step time and calibrated acceptance per position."""
     import llama_dflash
     from llama_dflash.api.models import default_target, shipped_drafter
     from llama_dflash.api.server import DFlashModelSettings
@@ -398,6 +399,19 @@ def test_exact_model_setting_serves_bit_identical_output():
                                                                "repeat_penalty": 1.1}, timeout=600).json()
                 want = plain(p, max_tokens=32, temperature=0.0, repeat_penalty=1.1)["choices"][0]["text"]
                 assert r["choices"][0]["text"] == want, p
+            # the server's default is adaptive drafting; /metrics shows what it chose, predicted and measured
+            last = httpx.get(base + "/extras/speculative_stats").json()["last"]
+            assert last["adaptive"] and sum(last["lengths"]) == last["steps"]
+            m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                 for line in httpx.get(base + "/metrics").text.splitlines() if not line.startswith("#")}
+            steps = sum(v for k, v in m.items() if k.startswith("llama_dflash_draft_length_steps_total{"))
+            assert steps > last["steps"] and m['llama_dflash_draft_length_steps_total{length="0"}'] >= \
+                m["llama_dflash_plain_steps_total"]
+            assert m['llama_dflash_step_seconds_total{kind="measured"}'] > 0
+            assert m['llama_dflash_step_seconds_total{kind="predicted"}'] > 0
+            drafted = m['llama_dflash_position_drafted_total{position="1"}']  # code: the drafter is used
+            assert 0 < m['llama_dflash_position_accepted_total{position="1"}'] <= drafted
+            assert 0 < m['llama_dflash_position_expected_accepted_total{position="1"}'] <= drafted
     finally:
         plain.close()
 

@@ -80,6 +80,15 @@ class SpeculativeTotals(Acceptance):
     grammar_cut: int = 0
     grammar_skipped: int = 0
     fallback_reasons: dict[str, int] = field(default_factory=dict)
+    # adaptive drafting (speculation "auto"), over the adaptive generations only
+    adaptive_generations: int = 0
+    plain_steps: int = 0                 # steps the cost model kept plain (no drafter call)
+    lengths: list[int] = field(default_factory=list)  # steps by verified draft length (index 0: none)
+    t_step_s: float = 0.0                # measured draft + verify seconds
+    t_predicted_s: float = 0.0           # the cost model's prediction of the same
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    per_position_expected: list[float] = field(default_factory=list)  # calibrated acceptance, summed per draft
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,6 +99,13 @@ class SpeculativeTotals(Acceptance):
         d = asdict(self)
         d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
         return d
+
+
+def _add(into: list, more: list) -> None:
+    """Element-wise into += more, `into` grown as needed."""
+    into.extend([0] * (len(more) - len(into)))
+    for i, v in enumerate(more):
+        into[i] += v
 
 
 class _Serial:
@@ -614,6 +630,16 @@ class Llama(llama_cpp.Llama):
         tot.t_decode_s += s.t_total_s
         tot.grammar_cut += s.grammar_cut
         tot.grammar_skipped += s.grammar_skipped
+        if s.adaptive:
+            tot.adaptive_generations += 1
+            tot.plain_steps += s.plain_steps
+            tot.t_step_s += s.t_draft_s + s.t_verify_s
+            tot.t_predicted_s += s.t_predicted_s
+            _add(tot.lengths, s.lengths)
+            _add(tot.per_position_drafted, s.per_position_drafted)
+            _add(tot.per_position_accepted, s.per_position_accepted)
+            _add(tot.per_position_expected, [e * d for e, d in zip(s.per_position_expected, s.per_position_drafted,
+                                                                     strict=True)])
 
     def close(self) -> None:
         if self.__dict__.get("_origin") is not None:

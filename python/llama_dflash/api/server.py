@@ -533,6 +533,18 @@ def metrics_text(worker: Worker | None = None) -> str:
     for k, v in vals.items():
         name = f"llama_dflash_{k}" + ("_total" if kinds.get(k) is None else "")
         lines += [f"# TYPE {name} {kinds.get(k, 'counter')}", f"{name} {v}"]
+    if tot is not None:  # adaptive drafting: what the cost model chose, predicted and measured
+        lines += ["# TYPE llama_dflash_plain_steps_total counter", f"llama_dflash_plain_steps_total {tot.plain_steps}",
+                  "# TYPE llama_dflash_draft_length_steps_total counter"]
+        lines += [f'llama_dflash_draft_length_steps_total{{length="{k}"}} {v}' for k, v in enumerate(tot.lengths)]
+        lines += ["# TYPE llama_dflash_step_seconds_total counter",
+                  f'llama_dflash_step_seconds_total{{kind="measured"}} {round(tot.t_step_s, 6)}',
+                  f'llama_dflash_step_seconds_total{{kind="predicted"}} {round(tot.t_predicted_s, 6)}']
+        for name, vals_k in (("drafted", tot.per_position_drafted), ("accepted", tot.per_position_accepted),
+                             ("expected_accepted", tot.per_position_expected)):
+            lines.append(f"# TYPE llama_dflash_position_{name}_total counter")
+            lines += [f'llama_dflash_position_{name}_total{{position="{k + 1}"}} {round(v, 4)}'
+                      for k, v in enumerate(vals_k)]
     if worker is not None:
         lines.append("# TYPE llama_dflash_http_requests_total counter")
         lines += [f'llama_dflash_http_requests_total{{outcome="{k}"}} {v}' for k, v in worker.counts.items()]
