@@ -51,6 +51,15 @@ def test_adaptive_greedy_equals_plain_on_tiny_targets(artifacts, cache, name):
             assert auto.tokens == plain.tokens == fixed.tokens, p
             _check_stats(auto.stats)
             assert not fixed.stats.adaptive and fixed.stats.plain_steps == 0
+        # and where drafts pay (verify rows priced nearly free): the policy drafts, output unchanged
+        _set_costs(g, [1.0 + 0.01 * k for k in range(g.max_draft_len + 1)], [0.01] * g.max_draft_len)
+        drafted = 0
+        for p in ["The capital of France is", "def f(x):\n    return"]:
+            auto = g.generate(p, 48)
+            assert auto.tokens == g.generate(p, 48, draft_len=0).tokens, p
+            _check_stats(auto.stats)
+            drafted += auto.stats.drafted
+        assert drafted > 0
 
 
 def _set_costs(g, t_verify_ratios, t_draft_ratios=()):
@@ -165,15 +174,41 @@ def test_useless_drafts_turn_into_plain_steps(artifacts, cache):
         g.generate("Once upon a time", 4, draft_source=lambda h, n: [])  # measures the cost model
         _set_costs(g, TV_RATIOS_16)  # the default model's rows, at this target's speed
         wrong = ReplayDraftSource(g.tokenize("Once upon a time") + ref.tokens, g.n_vocab, corrupt=lambda s, n: 0)
-        out = g.generate("Once upon a time", 96, draft_source=wrong)
+        calls: list[int] = []
+
+        def counted(history, n):
+            calls.append(n)
+            return wrong(history, n)
+
+        out = g.generate("Once upon a time", 96, draft_source=counted)
         assert out.tokens == ref.tokens
         s = out.stats
         assert s.accepted == 0 and s.probes >= 3
+        # a plain step does not call the source at all (a step with a draft verified called it once; the
+        # last step, one token short of the limit, has nothing to draft)
+        assert sum(s.lengths[1:]) <= len(calls) <= s.steps - s.plain_steps, (calls, s)
         # the first drafts verify 3 at these costs (nothing known: a uniform belief, which one rejection
         # leaves open; two or three of them, as the tiny target's timing noise refines the costs), then
         # only probes, one slot each
         assert sum(s.lengths[2:]) <= 3 and s.lengths[1] <= s.probes, s
         assert s.plain_steps >= 0.8 * s.steps, s  # the source is not even asked
+
+
+def test_p_min_stays_a_user_override_under_adaptive_drafting(artifacts, cache):
+    """draft_p_min under speculation "auto": a draft is cut at its first slot less confident than
+    p_min before the policy sizes it (p_min = 1 cuts every draft of a drafter that is never sure),
+    output unchanged."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        g.generate("hello", 4)  # measures the cost model; then verify rows priced nearly free: drafts pay
+        _set_costs(g, [1.0 + 0.01 * k for k in range(g.max_draft_len + 1)], [0.01] * g.max_draft_len)
+        toks = g.tokenize("Once upon a time")
+        plain = g.generate(toks, 40, draft_len=0, stop_on_eos=False)
+        auto = g.generate(toks, 40, stop_on_eos=False)
+        cut = g.generate(toks, 40, stop_on_eos=False, p_min=1.0)
+        assert auto.tokens == cut.tokens == plain.tokens
+        assert auto.stats.adaptive and cut.stats.adaptive
+        assert auto.stats.drafted > 0 and cut.stats.drafted == 0
 
 
 def test_a_draft_sources_belief_stays_its_own(artifacts, cache):
