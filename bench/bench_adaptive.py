@@ -222,7 +222,8 @@ def replay_part(n_tok: int, acceptances: list[float], fixed: list[int]) -> dict:
                           ("Gemma-3-270M Q4_K_M", pypi_target("gemma-3-270m"))):
         agg: dict[str, dict] = {}
         with SpeculativeGenerator(target, None, n_ctx=1024, n_threads=2, exact=True) as g:
-            g.generate(prompts[0], 4, draft_len=0)
+            # an adaptive warm-up measures the cost model first, so every run below (plain ones too) is predicted
+            g.generate(prompts[0], 4, draft_source=lambda h, n: [], draft_len=15, speculation="auto")
             for text in prompts:
                 toks = g.tokenize(text)
                 ref = g.generate(toks, n_tok, draft_len=0, stop_on_eos=False)
