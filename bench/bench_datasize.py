@@ -30,8 +30,7 @@ from bench_heldout import score_run  # noqa: E402
 from llama_dflash.train.run import run_dataset, summary_of  # noqa: E402
 
 # the data run's settings a point must repeat to ask for the sequences that data holds
-_SAME = ("prompts", "max_new", "sampled_every", "samples", "temperatures", "seed", "feature_format", "top_k",
-         "prompt_sources")
+_SAME = ("prompts", "max_new", "sampled_every", "samples", "temperatures", "seed", "feature_format", "top_k")
 
 
 def train_point(a, spec: dict, size: int) -> Path:
