@@ -318,7 +318,7 @@ def test_more_sampled_responses_generate_only_the_missing_ones(artifacts, tmp_pa
     samples existed, so older files (no "sample" field) count as sample 0."""
     d = tmp_path / "d"
     prompts = training_prompts(limit=4)
-    base = dict(target=artifacts["llama"]["target"], taps=[0, 2], max_new=8, n_seq=4, temperature=1.5)
+    base = dict(target=artifacts["llama"]["target"], taps=[0, 2], max_new=8, n_seq=4, temperatures=(1.5,))
 
     def lines():
         return [json.loads(x) for x in (d / "responses.jsonl").read_text().splitlines()]
