@@ -652,9 +652,11 @@ def _adaptive_sets(r: dict, json_name: str) -> list[str]:
            "\"vs ours plain\" is the ratio of total tok/s, \"worst prompt\" the lowest per-prompt ratio. "
            "The ceiling drafts exactly what a run at n_max got accepted, its steps priced by the cost model "
            "against plain steps over the same tokens priced the same way, a ratio applied to our measured plain "
-           "speed (no loop overhead): the best any length policy can do with this drafter here (results dated "
-           "before 2026-12-03T14:00 set the modelled oracle time against the measured plain time instead, "
-           "which moved the ceiling with the one-row model's error). "
+           "speed and the plain run's tokens (no loop overhead): the best any length policy can do with this "
+           "drafter here (results dated before 2026-12-03T14:00 set the modelled oracle time against the "
+           "measured plain time instead, which moved the ceiling with the one-row model's error; results dated "
+           "before 2026-12-03T22:46 took the n_max run's token count, which differs where its output ends "
+           "elsewhere: a random drafter's set showed 0.94). "
            "\"gain captured\" = (adaptive − plain) / (ceiling − plain).", ""]
     for name, rows in r["sets"].items():
         out += [f"**{name}**", "", "| configuration | tok/s | vs ours plain | worst prompt | τ | notes |",

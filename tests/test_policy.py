@@ -5,6 +5,7 @@ drafts where drafts pay and stops where they do not."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import llama_cpp
@@ -91,6 +92,11 @@ def test_adaptive_is_exact_in_exact_mode(cache):
             assert rej.stats.mode == "rejection" and rej.stats.n_generated == 32
             _check_stats(rej.stats)
         assert drafted > 0  # the trained drafter's confident drafts were verified
+        mode = "exact, repacked" if g._core._exact_repacked else "exact"
+        key = policy.cost_key(default_target(), shipped_drafter(), g.n_threads, "cpu", mode)
+    # kept under exact mode's own key (its kernels time otherwise), never the default mode's
+    assert list(json.loads((cache / "costs.json").read_text())) == [key]
+    assert key != policy.cost_key(default_target(), shipped_drafter(), g.n_threads, "cpu", "default")
 
 
 def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
@@ -126,6 +132,50 @@ def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=1) as g:
         with pytest.raises(AssertionError, match="cached cost model"):  # another key: threads
             g.generate("hello", 8)
+
+
+def test_the_cost_cache_key_separates_what_the_costs_depend_on(artifacts, tmp_path):
+    """Each thing the timings depend on gives its own entry: target and drafter file (where,
+    size, modification time), threads, placement, default / exact mode and exact mode's weight
+    layout; the same inputs give the same key."""
+    a, b = artifacts["llama"], artifacts["qwen2"]
+    base = (a["target"], a["drafter"], 2, "cpu", "default")
+    key = policy.cost_key(*base)
+    assert policy.cost_key(*base) == key
+    others = [(b["target"], a["drafter"], 2, "cpu", "default"), (a["target"], b["drafter"], 2, "cpu", "default"),
+              (a["target"], None, 2, "cpu", "default"), (a["target"], a["drafter"], 1, "cpu", "default"),
+              (a["target"], a["drafter"], 2, "n_gpu_layers=99", "default"),
+              (a["target"], a["drafter"], 2, "cpu", "exact"), (a["target"], a["drafter"], 2, "cpu", "exact, repacked")]
+    keys = {policy.cost_key(*o) for o in others}
+    assert len(keys) == len(others) and key not in keys
+    copy = tmp_path / "target-copy.gguf"  # the same bytes elsewhere: another file to time
+    copy.write_bytes(open(a["target"], "rb").read())
+    k_copy = policy.cost_key(copy, a["drafter"], 2, "cpu", "default")
+    assert k_copy != key
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten in place
+    assert policy.cost_key(copy, a["drafter"], 2, "cpu", "default") != k_copy
+
+
+def test_the_calibration_is_reloaded_as_it_was_saved(artifacts, cache):
+    """What a run learnt of its drafter's confidences (calibration counts per position and bin)
+    comes back unchanged in the next engine, beside the cost curves."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        g._core.ensure_costs()
+        _set_costs(g, [1.0 + 0.01 * k for k in range(g.max_draft_len + 1)], [0.01] * g.max_draft_len)
+        for p in PROMPTS:  # (near-free drafts: drafted, so the calibration counts move)
+            g.generate(p, 32)
+        saved = g.cost_model()
+    assert sum(map(sum, saved["reached"])) > 0
+    stored = next(iter(json.loads((cache / "costs.json").read_text()).values()))
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        g._core.ensure_costs()  # loaded from the cache, before any step refines it
+        loaded = g.cost_model()
+    # (float32 counts and double times: exact through JSON)
+    assert loaded["reached"] == stored["reached"] == saved["reached"]
+    assert loaded["accepted"] == stored["accepted"] == saved["accepted"]
+    assert loaded["t_verify"] == stored["t_verify"] and loaded["t_draft"] == stored["t_draft"]
 
 
 def test_a_damaged_cost_cache_is_measured_again(artifacts, cache):
@@ -275,6 +325,36 @@ def test_llama_speculates_adaptively_by_default(cache):
     finally:
         llm.close()
         fixed.close()
+
+
+def test_llama_measures_its_cost_model_as_it_loads(artifacts, cache, monkeypatch):
+    """speculation="auto": at load, not in the first request (then from the cache); "on" / "off"
+    measure nothing."""
+    a = artifacts["llama"]
+    calls = []
+    real = policy.measure
+    monkeypatch.setattr(policy, "measure", lambda *args, **kw: (calls.append(1), real(*args, **kw)))
+    for spec in ("on", "off"):
+        llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=256, verbose=False,
+                                 speculation=spec)
+        llm(PROMPTS[0], max_tokens=8, temperature=0.0)
+        llm.close()
+    assert calls == []
+    llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=256, verbose=False)
+    assert len(calls) == 1
+    want = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False)
+    try:
+        for p in PROMPTS:  # (the measuring cleared an empty context: the output is unchanged)
+            got = llm(p, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+            assert got == want(p, max_tokens=16, temperature=0.0)["choices"][0]["text"]
+            assert llm.last_speculative_stats.adaptive
+    finally:
+        want.close()
+        llm.close()
+    assert len(calls) == 1
+    llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=256, verbose=False)
+    llm.close()
+    assert len(calls) == 1  # the next start reads the cache
 
 
 # -- the policy alone, replayed on synthetic dense traces (no model, no timing: deterministic) ----

@@ -144,8 +144,9 @@ class Llama(llama_cpp.Llama):
     (speculative sampling with the drafter's q: same distribution, other random stream).
     speculation: "auto" (default: each step drafts only when the measured cost model says it
     pays, and verifies the prefix of the draft that maximises expected tokens per second; see
-    docs/architecture.md §5.9), "on" (draft_n_max tokens every step) or "off"; the output is
-    the same either way.
+    docs/architecture.md §5.9; the cost model is read from the cache folder or measured as the
+    model loads, a fraction of a second), "on" (draft_n_max tokens every step) or "off"; the
+    output is the same either way.
     grammar_aware_drafting: with a grammar (or JSON schema, or forced tool call), drafts walk a
     copy of the grammar state: forbidden candidates are skipped and a draft ends where the
     grammar allows none of them.
@@ -251,9 +252,11 @@ class Llama(llama_cpp.Llama):
         if self.chat_handler is not None or self._unavailable is not None:
             parallel = 1
         self.parallel = parallel  # what is served at once: 1 when no group could be built
+        if self._core.has_drafter and speculation == "auto" and self.draft_n_max > 0 and self._unavailable is None:
+            # at start, not in the first request (a cached model or a fraction of a second; it clears
+            # the context, empty now); with parallel > 1 it is every slot's prior too
+            self._core.ensure_costs()
         if parallel > 1:
-            if self._core.has_drafter and speculation == "auto":
-                self._core.ensure_costs()  # now (it clears the context), the slots' prior
             me = weakref.ref(self)  # (the scheduler thread must not keep the model alive)
             self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
                                       hold=self._serial.hold,

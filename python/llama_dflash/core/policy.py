@@ -1,12 +1,13 @@
 """Cost-aware drafting between runs: the cost model and the confidence calibration that the C
 loop's adaptive steps use (csrc/dflash_policy.c, docs/architecture.md §5.9).
 
-The engine measures the cost model on its first adaptive generation (verify batches of
-1 .. n_max + 1 rows and drafts of 1 .. n_max tokens: a fraction of a second on the default
-model), refines it and the calibration from every step it times, and this module keeps both
-in the cache folder per (target file, drafter file, threads, placement, mode, llama.cpp
-build), so the next start reuses them.  `replay` runs the engine's policy on dense traces, with no
-model and no timing (bench/bench_policy.py, tests/test_policy.py).
+The engine measures the cost model before its first adaptive generation (`Llama` with
+speculation "auto": as it loads; verify batches of 1 .. n_max + 1 rows and drafts of 1 .. n_max
+tokens: a fraction of a second on the default model), refines it and the calibration from every
+step it times, and this module keeps both in the cache folder per (target file, drafter file,
+threads, placement, mode, llama.cpp build), so the next start reuses them.  `replay` runs the
+engine's policy on dense traces, with no model and no timing (bench/bench_policy.py,
+tests/test_policy.py).
 """
 
 from __future__ import annotations
