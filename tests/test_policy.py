@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import llama_cpp
 import pytest
@@ -149,7 +150,7 @@ def test_the_cost_cache_key_separates_what_the_costs_depend_on(artifacts, tmp_pa
     keys = {policy.cost_key(*o) for o in others}
     assert len(keys) == len(others) and key not in keys
     copy = tmp_path / "target-copy.gguf"  # the same bytes elsewhere: another file to time
-    copy.write_bytes(open(a["target"], "rb").read())
+    shutil.copyfile(a["target"], copy)
     k_copy = policy.cost_key(copy, a["drafter"], 2, "cpu", "default")
     assert k_copy != key
     st = copy.stat()
