@@ -195,30 +195,32 @@ def reduced_vocab_steps(target: Path, tmp: Path, threads: int, reps: int) -> dic
     return res
 
 
-def inloop_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
+def inloop_steps(target: Path, tmp: Path, threads: int, reps: int, contexts: tuple[int, ...] = (256,)) -> dict:
     """A drafter step in the loop's shape, ours and upstream's graph on the same file: a target
     verify of n + 1 rows (which streams the target's weights through the caches, as in the loop),
-    then one feature row injected and a draft of n.  Files: a random DFlash v1 drafter with the
+    then one feature row injected and a draft of n, after `context` rows already in the drafter's
+    cache (a longer prompt: more keys to attend to).  Files: a random DFlash v1 drafter with the
     target's full head (2 layers, f16) and the shipped drafter."""
     from llama_dflash.api.models import shipped_drafter
 
     llm = llama_cpp.Llama(str(target), n_ctx=4096, n_threads=threads, verbose=False)
     rng = np.random.default_rng(3)
-    feats = rng.standard_normal((4096, len(TAPS) * 576)).astype(np.float32)
+    ctx_max = max(contexts) + reps + 64
+    feats = rng.standard_normal((ctx_max, len(TAPS) * 576)).astype(np.float32)
     files = {"v1_2l_full_vocab": (drafter_gguf(target, 2, tmp), False), "shipped": (shipped_drafter(), True)}
     res = {}
     for name, (path, lattice) in files.items():
-        ours = Drafter(path, llm.model, n_ctx=4096, n_threads=threads)
-        up = UpstreamDrafter(str(path), llm.model, n_ctx=4096, n_threads=threads, exact=False)
-        for n in (3, 7):
+        ours = Drafter(path, llm.model, n_ctx=ctx_max, n_threads=threads)
+        up = UpstreamDrafter(str(path), llm.model, n_ctx=ctx_max, n_threads=threads, exact=False)
+        for n, ctx in ((n, c) for c in contexts for n in (3, 7)):
             ours.reset()
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(up.ctx), True)
             up.n_past = 0
-            ours.push(feats[:256])
-            up.push(feats[:256])
+            ours.push(feats[:ctx])
+            up.push(feats[:ctx])
             t = {"ours": [], "upstream": []}
             for i in range(reps):
-                row = feats[256 + i:257 + i]
+                row = feats[ctx + i:ctx + i + 1]
                 for who in ("ours", "upstream"):
                     if llm.n_tokens + n + 1 > 4000:
                         llm.reset()
@@ -235,7 +237,8 @@ def inloop_steps(target: Path, tmp: Path, threads: int, reps: int) -> dict:
                             up.draft(100, 16, n, return_logits=False)
                     t[who].append(time.perf_counter() - t0)
             o, u = statistics.median(t["ours"]) * 1e3, statistics.median(t["upstream"]) * 1e3
-            res[f"{name}_n{n}"] = {"ours_ms": o, "upstream_ms": u, "ours_over_upstream": o / u}
+            key = f"{name}_n{n}" + (f"_ctx{ctx}" if contexts != (256,) else "")
+            res[key] = {"ours_ms": o, "upstream_ms": u, "ours_over_upstream": o / u}
         ours.close()
         up.close()
     return res
@@ -297,6 +300,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/core.json")
     ap.add_argument("--only", choices=["reduced_vocab", "inloop"], default=None,
                     help="run one part and merge it into --out (its command and date recorded with it)")
+    ap.add_argument("--contexts", default="256",
+                    help="with --only inloop: rows in the drafter's cache before the timed steps, comma-separated")
     a = ap.parse_args()
     _logger.set_verbose(False)
     target = default_target(a.ftype)
@@ -304,9 +309,15 @@ def main() -> int:
     if a.only:
         res = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
         with tempfile.TemporaryDirectory() as tmp:
-            part = reduced_vocab_steps if a.only == "reduced_vocab" else inloop_steps
+            if a.only == "reduced_vocab":
+                steps = reduced_vocab_steps(target, Path(tmp), a.threads, a.reps)
+            else:
+                contexts = tuple(int(c) for c in a.contexts.split(","))
+                if not contexts or min(contexts) < 1 or max(contexts) > 32768:
+                    ap.error(f"--contexts takes row counts of 1 .. 32768, not {a.contexts!r}")
+                steps = inloop_steps(target, Path(tmp), a.threads, a.reps, contexts)
             res[a.only] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "target_ftype": a.ftype,
-                           "steps": part(target, Path(tmp), a.threads, a.reps)}
+                           "steps": steps}
         for k, v in res[a.only]["steps"].items():
             print(f"{k}: ours {v['ours_ms']:.2f} ms, upstream {v['upstream_ms']:.2f} ms "
                   f"({v['ours_over_upstream']:.2f}x)")

@@ -108,14 +108,15 @@ def core() -> list[str]:
                 f"(target SmolLM2-135M-Instruct {il['target_ftype'].upper()}): before every step the target verifies "
                 "n + 1 rows, as in the loop (its weights go through the caches and the drafter's are read cold), then "
                 "one feature row is injected and n tokens drafted; ours and upstream's graph take turns on the same "
-                "file. Median ms:", "",
-                "| drafter | n | ours ms | upstream ms | ours / upstream |", "|---|---|---|---|---|"]
+                "file, after the given rows of context in the drafter's cache (256 where not given). Median ms:", "",
+                "| drafter | n | context | ours ms | upstream ms | ours / upstream |", "|---|---|---|---|---|---|"]
         names = {"v1_2l_full_vocab": "DFlash v1, 2 layers, the target's 49152-token head (f16 weights)",
                  "shipped": "the shipped drafter (DFlash2, 8192-token head, q4_0)"}
         for k, v in il["steps"].items():
+            k, _, ctx = k.partition("_ctx")
             name, n = k.rsplit("_n", 1)
-            out.append(f"| {names.get(name, name)} | {n} | {v['ours_ms']:.2f} | {v['upstream_ms']:.2f} | "
-                       f"{v['ours_over_upstream']:.2f} |")
+            out.append(f"| {names.get(name, name)} | {n} | {ctx or 256} | {v['ours_ms']:.2f} | "
+                       f"{v['upstream_ms']:.2f} | {v['ours_over_upstream']:.2f} |")
         out += ["", "Upstream's step here reads no logits (`return_logits=False`): its own loop would also sample them "
                 "on the host.", ""]
     return out

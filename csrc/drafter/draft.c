@@ -103,11 +103,11 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
             const int32_t a = sts[s]->n_cached + sts[s]->n_pending;
             float * m = malloc(sizeof(float) * (size_t) G.n_kv[s] * n_block);
             if (G.mask_full[s]) {
-                dflash_fill_mask(m, G.n_kv[s], n_block, a, hp->causal, 0);
+                dflash_fill_mask(m, G.n_kv[s], G.n_kv_used[s], n_block, a, hp->causal, 0);
                 ggml_backend_tensor_set(G.mask_full[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
             }
             if (G.mask_swa[s]) {
-                dflash_fill_mask(m, G.n_kv[s], n_block, a, hp->causal, hp->n_swa);
+                dflash_fill_mask(m, G.n_kv[s], G.n_kv_used[s], n_block, a, hp->causal, hp->n_swa);
                 ggml_backend_tensor_set(G.mask_swa[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
             }
             free(m);

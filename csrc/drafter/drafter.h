@@ -97,12 +97,21 @@ struct dflash_graph {
     struct ggml_tensor * cand_p;                                         // DFlash2 (on request): [K, n * n_seq]
                                                                          // the unary head's probability of each
                                                                          // candidate over the draft vocabulary
-    int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys each block attends to
+    int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys in each block's attention,
+                                                                         // padded (DFLASH_KV_PAD) ...
+    int32_t n_kv_used[DFLASH_MAX_SEQ];                                   // ... of which real: the rest masked
 };
+
+// Attention spans a multiple of this many cache cells (the unused ones masked): the CPU's tiled
+// f32 GEMM (llamafile's sgemm) takes K.Q only for key counts that are multiples of 4 and V.softmax
+// only for multiples of 16; otherwise each block row dots each key separately.
+#define DFLASH_KV_PAD 16
 
 bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
                         int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk, bool want_probs);
-void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool causal, int32_t window);
+// mask rows [n_block][n_kv] for a block at positions a.. ; keys from n_used on are padding (hidden)
+void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_used, int32_t n_block, int32_t a, bool causal,
+                      int32_t window);
 
 // select.c: a draft's token choice on the host.
 struct dflash_sample_req {

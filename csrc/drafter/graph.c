@@ -181,8 +181,13 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         if (hp->n_swa > 0 && hp->swa_layers[il]) any_swa = true; else any_full = true;
     }
     for (int32_t s = 0; s < n_seq; s++) {
-        G->n_kv[s] = sts[s]->n_cached + sts[s]->n_pending + n_block;
-        if (hp->causal && any_full) {
+        const int32_t used = sts[s]->n_cached + sts[s]->n_pending + n_block;
+        const int32_t padded = (used + DFLASH_KV_PAD - 1) / DFLASH_KV_PAD * DFLASH_KV_PAD;
+        G->n_kv_used[s] = used;
+        G->n_kv[s] = padded < hp->n_ctx ? padded : (used > hp->n_ctx ? used : hp->n_ctx);
+        // (the cells past the used ones hold zeros or stale rows: masked, they weigh nothing -- but for a
+        // NaN once written there, which would spoil drafts, never the verified output)
+        if ((hp->causal || G->n_kv[s] > used) && any_full) {
             G->mask_full[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
             ggml_set_input(G->mask_full[s]);
         }
@@ -227,7 +232,9 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
             K = ggml_permute(ctx, K, 0, 2, 1, 3);                                    // [d, n_kv, H_kv]
             struct ggml_tensor * q_s = ggml_view_3d(ctx, q, hp->head_dim, hp->n_head, B, q->nb[1], q->nb[2],
                                                     (size_t) s * B * q->nb[2]);
-            struct ggml_tensor * Q = ggml_permute(ctx, q_s, 0, 2, 1, 3);            // [d, B, H]
+            // contiguous per head: the CPU then multiplies each head's block by its keys as one tiled
+            // GEMM (llamafile's sgemm) instead of B x n_kv separate 64-wide dot products
+            struct ggml_tensor * Q = ggml_cont(ctx, ggml_permute(ctx, q_s, 0, 2, 1, 3)); // [d, B, H]
             struct ggml_tensor * kq = ggml_mul_mat(ctx, K, Q);                       // [n_kv, B, H]
             kq = ggml_soft_max_ext(ctx, kq, swa ? G->mask_swa[s] : G->mask_full[s], kq_scale, 0.0f);
             struct ggml_tensor * V = ggml_view_3d(ctx, st->v_cache[il], n_kv, hp->head_dim, hp->n_head_kv,
@@ -296,11 +303,12 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     return true;
 }
 
-void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_block, int32_t a, bool causal, int32_t window) {
+void dflash_fill_mask(float * m, int32_t n_kv, int32_t n_used, int32_t n_block, int32_t a, bool causal,
+                      int32_t window) {
     for (int32_t i = 0; i < n_block; i++) {
         const int32_t qp = a + i;
         for (int32_t j = 0; j < n_kv; j++) {
-            bool vis = true;
+            bool vis = j < n_used;
             if (causal && j > qp) vis = false;
             if (window > 0 && (qp - j >= window || j - qp >= window)) vis = false;
             m[(size_t) i * n_kv + j] = vis ? 0.0f : -INFINITY;
