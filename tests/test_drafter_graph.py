@@ -137,3 +137,30 @@ def test_p_min_cuts_the_draft(artifacts, load_model):
         want = next((k for k, c in enumerate(conf) if c < thr), 7)
         assert d.draft(42, 7, p_min=thr) == full[:want], (thr, conf)
     d.close()
+
+
+def test_padded_keys_weigh_nothing(artifacts, load_model):
+    """Attention spans the used cache cells rounded up to a multiple of 16, the rest masked: rows
+    left there by a longer context (then reset or truncated) change no logit -- bit for bit against
+    a fresh state, at used counts on and off the multiple."""
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    width = None
+    for n_used, n in [(9, 3), (13, 3), (16, 7), (29, 2)]:
+        fresh = Drafter(a["drafter"], model, n_ctx=256, n_threads=2)
+        width = width or len(fresh.info.target_layers) * fresh.info.n_embd
+        feats = np.random.default_rng(n_used).standard_normal((200, width)).astype(np.float32)
+        fresh.push(feats[:n_used])
+        want = fresh.draft(7, n, return_logits=True)[1]
+        fresh.close()
+        stale = Drafter(a["drafter"], model, n_ctx=256, n_threads=2)
+        stale.push(100 * feats[50:200])  # large rows in every cell the padded span may reach
+        stale.draft(5, 15)
+        stale.reset()
+        stale.push(feats[:n_used])
+        got = stale.draft(7, n, return_logits=True)[1]
+        assert np.array_equal(got, want), f"{n_used} rows, n = {n}"
+        stale.truncate(n_used - 4)
+        stale.push(feats[n_used - 4:n_used])
+        assert np.array_equal(stale.draft(7, n, return_logits=True)[1], want)
+        stale.close()
