@@ -750,23 +750,31 @@ def policy_reach() -> list[str]:
            "probe every P plain steps; each draft cut by calibrated confidence, the calibration fitted on the same "
            "traces); \"engine, replayed\" runs the engine's own policy functions (csrc/dflash_policy.c) step by "
            "step on the traces; \"free drafts\" is the causal family with t_draft = 0 (what the confidence "
-           "signal is worth by itself). At T = 0.7 match verification keeps a draft while it equals the seeded "
+           "signal is worth by itself); \"best gate\" drafts (n tokens, cut by confidence) or steps plainly by "
+           "what the last step showed -- the engine's four states, or those with the rejection's place and, after "
+           "a step that accepted all it verified, whether the draft's next slot matched the target's next token "
+           "-- its table fitted on the same traces (optimistic for it; it has no probes: where drafting after a plain "
+           "step does not pay on the whole it never drafts again). The oracle may "
+           "verify more rows than it commits where a larger batch costs less. "
+           "At T = 0.7 match verification keeps a draft while it equals the seeded "
            "sample, and the samples are plain decoding's, so the sampled output is traced like the greedy one. "
            "\"measured\" is our adaptive loop against our plain loop, timed in the "
            "same run, interleaved prompt by prompt. Gains are over plain decoding. Two approximations: a shorter "
            "draft is taken to be the long one's start (a block's rows attend to each other; \"3-token prefix\" is "
            "the share of positions where a 3-token draft is), and every draft is returned whole (no cut-off).",
            "",
-           "| set | positions | accepted per position | 3-token prefix | oracle | best causal | engine, replayed | "
-           "engine, walk's confidence alone | measured adaptive | causal, free drafts |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| set | positions | accepted per position | 3-token prefix | oracle | best causal | best gate | "
+           "engine, replayed | engine, walk's confidence alone | measured adaptive | causal, free drafts |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in r["sets"].items():
         m = s["summary"]
         walk = m.get("engine_replay_walk_conf_x")
         pre = m.get("short_draft_is_prefix")
         out.append(f"| {name} | {m['positions']} | {m['mean_accepted']:.2f} | "
                    f"{'—' if pre is None else f'{pre:.3f}'} | {m['oracle_x']:.3f}× | "
-                   f"{m['causal']['best_x']:.3f}× ({m['causal']['best']}) | {m['engine_replay_x']:.3f}× | "
+                   f"{m['causal']['best_x']:.3f}× ({m['causal']['best']}) | "
+                   + (f"{m['gated']['best_x']:.3f}× ({m['gated']['best']}) | " if "gated" in m else "— | ")
+                   + f"{m['engine_replay_x']:.3f}× | "
                    f"{'—' if walk is None else f'{walk:.3f}×'} | "
                    f"{m['auto_x']:.3f}× (plain {m['plain_tok_s']:.1f} tok/s; {m['auto_plain_steps']} steps plain) | "
                    f"{m['free_drafts']['best_x']:.3f}× ({m['free_drafts']['best']}) |")

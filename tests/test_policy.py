@@ -116,8 +116,12 @@ def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
         c = g.ceiling([0, 0, 2])
         # (the engine prices at its speed factor, which scales every term alike)
         tv, td = cm["t_verify"], cm["t_draft"]
-        assert c == pytest.approx(5 * tv[0] / (2 * tv[0] + min(td[1] + tv[2], 3 * tv[0])), rel=1e-6)
+        # (the 3 tokens: drafting and verifying 2, or more where that costs less, or 3 plain steps)
+        step = min(min(td[k - 1] + tv[k] for k in range(2, n + 1)), 3 * tv[0])
+        assert c == pytest.approx(5 * tv[0] / (2 * tv[0] + step), rel=1e-6)
         assert c >= 1.0  # (never below plain decoding: a step that would not pay is taken plainly)
+        with pytest.raises(DFlashError, match="accepted counts"):
+            g.ceiling([n + 1])
     stored = json.loads((cache / "costs.json").read_text())  # written at close, refined by the steps
     assert len(stored) == 1
 
