@@ -8,9 +8,10 @@ default model and the shipped drafter, greedy and T = 0.7 (match verification, o
     draft-dflash, built from the same llama.cpp by bench/build-upstream.sh) on the same two files,
     greedy, n = 3 and n_max: its own decode speed and acceptance, from its log;
   - our loop plain, fixed n (--fixed), and adaptive (speculation "auto", the default);
-  - the ceiling: an oracle length policy that drafts exactly the tokens the drafter gets accepted
-    (from the run at n_max) and pays the cost model's times -- the best any length policy can do
-    with this drafter on this machine.
+  - the ceiling: an oracle length policy that commits exactly the tokens the drafter gets accepted
+    (from the run at n_max), drafting and verifying those or more where a larger batch costs less,
+    and pays the cost model's times -- the best any length policy can do with this drafter on this
+    machine.
 With --exact our loop runs in exact mode (flash attention, the weight layout core.exact.weight_layout
 picks; every adaptive output checked identical to our plain one) and a third peer joins: llama-cpp-python
 under the same settings (llama_cpp.Llama(flash_attn=True), same layout, ggml's reference CPU kernels),

@@ -312,9 +312,12 @@ def main() -> int:
             if a.only == "reduced_vocab":
                 steps = reduced_vocab_steps(target, Path(tmp), a.threads, a.reps)
             else:
-                contexts = tuple(int(c) for c in a.contexts.split(","))
+                try:
+                    contexts = tuple(int(c) for c in a.contexts.split(","))
+                except ValueError:
+                    contexts = ()
                 if not contexts or min(contexts) < 1 or max(contexts) > 32768:
-                    ap.error(f"--contexts takes row counts of 1 .. 32768, not {a.contexts!r}")
+                    ap.error(f"--contexts takes comma-separated row counts of 1 .. 32768, not {a.contexts!r}")
                 steps = inloop_steps(target, Path(tmp), a.threads, a.reps, contexts)
             res[a.only] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), "target_ftype": a.ftype,
                            "steps": steps}

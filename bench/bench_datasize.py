@@ -52,6 +52,16 @@ def train_point(a, spec: dict, size: int) -> Path:
     return out
 
 
+def start_score(points: list[dict], n_scored: int) -> dict | None:
+    """The common start's held-out metrics, as a point's trainer scored them before its first step on
+    the same held-out sequences (a point whose sample holds them all: the held-out split is by prompt)."""
+    for p in points:
+        s = summary_of(p["run"])
+        if s["data"].get("held_out_sequences") == n_scored and (s.get("init") or {}).get("start"):
+            return s["init"]["start"]
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="a finished run whose data every point samples")
@@ -92,7 +102,7 @@ def main() -> None:
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "data": str(a.data), "init": str(a.init), "tune_steps": steps, "distill": a.distill,
            "scored_sequences": len(ids), "scored_on": scored_on, "problems": a.problems, "tokens": a.tokens,
-           "points": points}
+           "start_held_out": start_score(points, len(ids)), "points": points}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"saved {a.out}")

@@ -9,8 +9,9 @@ is a block of n + 1 rows that attend to each other, so it need not be the long d
 share of positions where a 3-token draft is, is reported); and the replay takes every draft as
 returned whole (no p_min, n_min or grammar cut).  The policies:
 
-  - the oracle: dynamic programming over positions, knowing every draft's acceptance; it drafts
-    exactly what will be accepted, or steps plainly (bench_adaptive's ceiling, made exact);
+  - the oracle: dynamic programming over positions, knowing every draft's acceptance; it commits
+    exactly what will be accepted -- drafting and verifying that, or more where a larger batch costs
+    less -- or steps plainly (bench_adaptive's ceiling, made exact);
   - causal policies, which know only what their own drafts showed them: draft n tokens, then cut
     the draft to the k with the most expected committed tokens net of the rows' time at the plain
     rate, the confidences calibrated on these same traces (optimistic for them); either every
@@ -93,11 +94,11 @@ def calibration(traces: list[list[dict]], n_max: int) -> np.ndarray:
     return (acc + 1) / (reach + 2)
 
 
-def oracle_time(tr: list[dict], tv: list[float], td: list[float]) -> float:
+def oracle_time(tr: list[dict], tv: list[float], td: list[float], n_max: int) -> float:
     """The least cost-model time to commit the trace's tokens, knowing every acceptance: k of a
-    draft's accepted tokens committed by drafting and verifying k, or more where that costs less
-    (the CPU's 4-row tiles), or a plain step."""
-    n, n_max = len(tr), len(tv) - 1
+    draft's accepted tokens committed by drafting and verifying k, or more (up to n_max) where that
+    costs less (the CPU's 4-row tiles), or a plain step.  tv[k]: k + 1 rows; td[k]: k tokens."""
+    n = len(tr)
     step = [min(td[m] + tv[m] for m in range(k, n_max + 1)) for k in range(n_max + 1)]  # k >= 1 used
     dp = [0.0] * (n + 1)
     for j in range(n - 1, -1, -1):
@@ -147,8 +148,9 @@ def causal_time(tr: list[dict], cal: np.ndarray, tv: list[float], td: list[float
 # rejection after g accepted, or every verified slot accepted -- and then, where the draft went on
 # past the cut, whether its next slot equals the token the target committed after them ("shadow").
 GATE_CELLS = {
+    # (the engine's: nothing verified / first slot rejected / 1-2 accepted / 3 or more accepted)
     "state": lambda st: 0 if st[0] in ("plain", "cut0") else (1 if st[0] == "rej" and st[1] == 0
-                                                               else (2 if st[0] == "rej" or st[-1] < 3 else 3)),
+                                                               else (2 if st[-1] < 3 else 3)),
     "state+shadow": lambda st: st[0] + (f"/{st[1]}" if st[0] in ("all", "rej") else ""),
 }
 
@@ -168,7 +170,7 @@ def gated_time(tr: list[dict], cal: np.ndarray, tv: list[float], td: list[float]
         got = min(k, x["a"])
         t += td[n] + tv[k]
         j += got + 1
-        st = (("cut0",) if k == 0 else ("rej", min(got, 2)) if got < k
+        st = (("cut0",) if k == 0 else ("rej", min(got, 3)) if got < k
               else ("all", x["a"] > k, min(got, 3)) if n > k else ("all", None, min(got, 3)))
     return t
 
@@ -178,7 +180,7 @@ def best_gated(traces: list[list[dict]], cal: np.ndarray, tv: list[float], td: l
     """The best gate table for these traces (coordinate ascent from drafting everywhere): fitted on
     the traces it is scored on (optimistic for it); without probes, a table that never drafts after a
     plain step never drafts again."""
-    states = [("plain",), ("cut0",), *(("rej", g) for g in range(3)),
+    states = [("plain",), ("cut0",), *(("rej", g) for g in range(4)),
               *(("all", s, g) for s in (False, True, None) for g in (1, 2, 3))]
     cells = sorted({cell(st) for st in states}, key=str)
     plain = sum(len(tr) for tr in traces) * tv[0]
@@ -247,7 +249,7 @@ def policies(traces: list[list[dict]], tv: list[float], td: list[float], n_max: 
     cal = calibration(traces, n_max)
     plain = sum(len(tr) for tr in traces) * tv[0]
     walk = [[{"a": x["a"], "conf": x["walk"]} for x in tr] for tr in traces]
-    res = {"oracle": plain / sum(oracle_time(tr, tv, td) for tr in traces),
+    res = {"oracle": plain / sum(oracle_time(tr, tv, td, n_max) for tr in traces),
            "engine_replay": plain / replay_time(traces, tv, td, n_max, t_inject_row),
            "engine_replay_walk_conf": plain / replay_time(walk, tv, td, n_max, t_inject_row)}
     gated = {}

@@ -181,10 +181,12 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         if (hp->n_swa > 0 && hp->swa_layers[il]) any_swa = true; else any_full = true;
     }
     for (int32_t s = 0; s < n_seq; s++) {
+        // (used <= n_ctx: the draft calls check it; the cache's cells are n_ctx rounded up to DFLASH_KV_PAD)
         const int32_t used = sts[s]->n_cached + sts[s]->n_pending + n_block;
+        const int32_t cells = (int32_t) sts[s]->k_cache[0]->ne[1];
         const int32_t padded = (used + DFLASH_KV_PAD - 1) / DFLASH_KV_PAD * DFLASH_KV_PAD;
         G->n_kv_used[s] = used;
-        G->n_kv[s] = padded < hp->n_ctx ? padded : (used > hp->n_ctx ? used : hp->n_ctx);
+        G->n_kv[s] = padded < cells ? padded : cells;
         // (the cells past the used ones hold zeros or stale rows: masked, they weigh nothing -- but for a
         // NaN once written there, which would spoil drafts, never the verified output)
         if ((hp->causal || G->n_kv[s] > used) && any_full) {

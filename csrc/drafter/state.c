@@ -21,9 +21,12 @@ dflash_state * dflash_state_new(dflash_drafter * d, char * err, size_t err_len) 
     st->d = d;
     struct ggml_init_params ip = { (size_t) (2 * hp->n_layer + 1) * ggml_tensor_overhead(), NULL, true };
     st->ctx_kv = ggml_init(ip);
+    // cells for n_ctx positions, rounded up so that attention can span a multiple of DFLASH_KV_PAD
+    // keys up to the last position (graph.c)
+    const int64_t cells = ((int64_t) hp->n_ctx + DFLASH_KV_PAD - 1) / DFLASH_KV_PAD * DFLASH_KV_PAD;
     for (int il = 0; il < hp->n_layer; il++) {
-        st->k_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, kvd, hp->n_ctx);
-        st->v_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, hp->n_ctx, kvd);
+        st->k_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, kvd, cells);
+        st->v_cache[il] = ggml_new_tensor_2d(st->ctx_kv, GGML_TYPE_F32, cells, kvd);
     }
     st->buf_kv = ggml_backend_alloc_ctx_tensors(st->ctx_kv, d->backends[0]);
     st->pending_cap = DFLASH_INJECT_CHUNK;
