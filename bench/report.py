@@ -367,6 +367,19 @@ def datasize() -> list[str]:
     return out + [""]
 
 
+def train_smoke() -> list[str]:
+    """train_smoke.json: `llama-dflash train --smoke` end to end, as a user runs it."""
+    if not (HERE / "train_smoke.json").is_file():
+        return []
+    d = _load("train_smoke.json")
+    stages = d["runs"][0]["stages_s"]
+    return ["### `llama-dflash train --smoke`", "", _source(d["command"], d["date"], "train_smoke.json"),
+            f"The whole pipeline on tiny settings, the CLI in a fresh process (Python start and imports included): "
+            f"median {d['median_wall_s']:.1f} s over {len(d['runs'])} runs "
+            f"({', '.join(str(r['wall_s']) for r in d['runs'])} s); the first run's stages (s): "
+            + ", ".join(f"{k} {v}" for k, v in stages.items()) + ".", ""]
+
+
 # ---------------------------------------------------------------------------------------------
 # data.json / distill.json: the training data pipeline
 
@@ -865,6 +878,7 @@ def render() -> str:
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
     body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *drafters(), *heldout(),
             *datasize(),
+            *train_smoke(),
             *dropin(), *exact(), *adaptive(), *blind(), *concurrent(), *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
