@@ -341,12 +341,10 @@ def heldout() -> list[str]:
     return out + [""]
 
 
-def datasize() -> list[str]:
-    """datasize.json: one start and tuning budget on growing samples of one data set."""
-    if not (HERE / "datasize.json").is_file():
-        return []
-    d = _load("datasize.json")
-    out = ["### The data-size curve", "", _source(d["command"], d["date"], "datasize.json"),
+def _datasize_table(name: str) -> list[str]:
+    d = _load(name)
+    extra = f" ({d['recorded_from']})" if d.get("recorded_from") else ""
+    out = [_source(d["command"], d["date"], name, extra),
            f"From `{d['init']}`, {d['tune_steps']} tuning steps (`--distill {d['distill']}`) on samples of "
            f"`{d['data']}`'s data; scored on {d['scored_sequences']} {d['scored_on']} sequences of that data (same "
            f"anchors for all) and on the first {d['problems']} HumanEval problems, greedy, {d['tokens']} tokens:", "",
@@ -365,6 +363,17 @@ def datasize() -> list[str]:
                    f"{h['block_tau']:.3f} | {h.get('path_tau', 0):.3f} | "
                    f"{tau(he, 'chat/n=3')} / {tau(he, 'chat/n=7')} | {tau(he, 'raw/n=3')} / {tau(he, 'raw/n=7')} |")
     return out + [""]
+
+
+def datasize() -> list[str]:
+    """datasize*.json: one start and tuning budget on growing samples of one data set (a file per budget)."""
+    names = sorted((f.name for f in HERE.glob("datasize*.json")), key=lambda n: _load(n)["tune_steps"])
+    if not names:
+        return []
+    out = ["### The data-size curve", ""]
+    for name in names:
+        out += _datasize_table(name)
+    return out
 
 
 def train_smoke() -> list[str]:
