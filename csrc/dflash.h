@@ -433,9 +433,17 @@ void    dflash_engine_forget(dflash_engine * e);
 
 /* Time verify batches of 1 .. n_rows rows and drafts of 1 .. n_draft tokens (a sample of
  * the sizes, interpolated; the drafter's if there is one) after a short prefix, and set
- * them as the engine's costs.  Uses the context: clears its KV and the drafter's cache. */
+ * them as the engine's costs: each size's least time over the rounds, repeated (up to 6
+ * rounds) until the curves are plausible.  Uses the context: clears its KV and the drafter's
+ * cache. */
 int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n_draft, struct dflash_costs * out,
                                     char * err, size_t err_len);
+/* Whether cost curves have a shape a machine can have: no size costs more than twice a larger one,
+ * nor more than twice per row what a smaller one costs (0.5 ms of slack for timer noise).  A
+ * measurement taken while something else held the cores fails this (one-row verifies timed at
+ * 1.1 s against 56-210 ms for larger batches were seen cached): no speed factor repairs such a
+ * shape, so it is measured again. */
+bool    dflash_costs_plausible(const struct dflash_costs * costs);
 /* The cost model and calibration adaptive steps use (set: e.g. from a previous run's get). */
 void    dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * costs);
 bool    dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * out); /* false: none set */

@@ -869,7 +869,7 @@ static void interpolate(double * t, int32_t n, const bool * have) {
 
 int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n_draft, struct dflash_costs * out,
                                     char * err, size_t err_len) {
-    enum { REPS = 2 };
+    enum { REPS = 2, ROUNDS = 6 };
     if (n_rows < 1 || n_rows > DFLASH_MAX_DRAFT + 1) {
         dflash_seterr(err, err_len, "cost rows must be in 1..%d (got %d)", DFLASH_MAX_DRAFT + 1, n_rows);
         return -1;
@@ -902,58 +902,60 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     if (e->drafter) dflash_state_reset(e->st);
     struct dflash_costs c;
     memset(&c, 0, sizeof(c));
-    bool have[DFLASH_MAX_DRAFT + 1] = { false };
+    c.n_rows = n_rows;
+    c.n_draft = n_draft;
+    double bv[DFLASH_MAX_DRAFT + 1], bd[DFLASH_MAX_DRAFT];  // each size's least time so far
+    bool have[DFLASH_MAX_DRAFT + 1] = { false }, have_d[DFLASH_MAX_DRAFT] = { false };
+    for (int32_t k = 0; k < DFLASH_MAX_DRAFT + 1; k++) bv[k] = INFINITY;
+    for (int32_t n = 0; n < DFLASH_MAX_DRAFT; n++) bd[n] = INFINITY;
     const float * feats = NULL;
-    int32_t rc = decode(e, toks, prefix, 0, prefix, &feats, err, err_len);
-    if (rc == 0 && e->drafter) rc = dflash_state_push(e->st, feats, prefix, err, err_len);
-    // a warm-up batch, then each size as a verify step decodes it: every row's logits
-    for (int32_t k = 0; rc == 0 && k <= n_rows; k++) {
-        if (k > 0 && !timed_size(k, n_rows)) continue;
-        double best = INFINITY;
-        for (int32_t r = 0; rc == 0 && r < REPS; r++) {
-            const double t0 = dflash_now();
-            rc = decode(e, toks + prefix, k > 0 ? k : 1, prefix, 0, &feats, err, err_len);
-            const double t = dflash_now() - t0;
-            best = t < best ? t : best;
-            if (!llama_memory_seq_rm(mem, e->seq, prefix, -1)) {
-                dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
-                rc = -1;
-            }
-        }
-        if (k > 0) {
-            c.t_verify[k - 1] = best;
-            have[k - 1] = true;
-        }
-    }
-    // drafts as an adaptive step makes them (with each slot's confidence); the first one also
-    // injects the prefix's features and is not timed
     float conf[DFLASH_MAX_DRAFT];
     int32_t dtok[DFLASH_MAX_DRAFT];
-    bool have_d[DFLASH_MAX_DRAFT] = { false };
-    for (int32_t n = 0; rc == 0 && e->drafter && n <= n_draft; n++) {
-        if (n > 0 && !timed_size(n, n_draft)) continue;
-        double best = INFINITY;
-        for (int32_t r = 0; rc == 0 && r < REPS; r++) {
-            const double t0 = dflash_now();
-            if (dflash_state_draft(e->st, toks[prefix], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
-                                   err_len) < 0) {
-                rc = -1;
+    int32_t rc = decode(e, toks, prefix, 0, prefix, &feats, err, err_len);
+    if (rc == 0 && e->drafter) rc = dflash_state_push(e->st, feats, prefix, err, err_len);
+    // Rounds until the curves have a shape a machine can have: a size timed while something else
+    // held the cores is timed again (its least time kept), not cached for good.
+    for (int32_t round = 0; rc == 0 && round < ROUNDS; round++) {
+        const int32_t reps = round == 0 ? REPS : 1;
+        // (round 0: a warm-up batch first) each size as a verify step decodes it: every row's logits
+        for (int32_t k = round == 0 ? 0 : 1; rc == 0 && k <= n_rows; k++) {
+            if (k > 0 && !timed_size(k, n_rows)) continue;
+            for (int32_t r = 0; rc == 0 && r < reps; r++) {
+                const double t0 = dflash_now();
+                rc = decode(e, toks + prefix, k > 0 ? k : 1, prefix, 0, &feats, err, err_len);
+                const double t = dflash_now() - t0;
+                if (k > 0 && t < bv[k - 1]) bv[k - 1] = t;
+                if (!llama_memory_seq_rm(mem, e->seq, prefix, -1)) {
+                    dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+                    rc = -1;
+                }
             }
-            const double t = dflash_now() - t0;
-            best = t < best ? t : best;
+            if (k > 0) have[k - 1] = true;
         }
-        if (n > 0) {
-            c.t_draft[n - 1] = best;
-            have_d[n - 1] = true;
+        // drafts as an adaptive step makes them (with each slot's confidence); round 0's first one
+        // also injects the prefix's features and is not timed
+        for (int32_t n = round == 0 ? 0 : 1; rc == 0 && e->drafter && n <= n_draft; n++) {
+            if (n > 0 && !timed_size(n, n_draft)) continue;
+            for (int32_t r = 0; rc == 0 && r < reps; r++) {
+                const double t0 = dflash_now();
+                if (dflash_state_draft(e->st, toks[prefix], n > 0 ? n : 1, 0.0f, NULL, dtok, conf, NULL, err,
+                                       err_len) < 0) {
+                    rc = -1;
+                }
+                const double t = dflash_now() - t0;
+                if (n > 0 && t < bd[n - 1]) bd[n - 1] = t;
+            }
+            if (n > 0) have_d[n - 1] = true;
         }
+        memcpy(c.t_verify, bv, sizeof(double) * (size_t) n_rows);
+        memcpy(c.t_draft, bd, sizeof(double) * (size_t) n_draft);
+        interpolate(c.t_verify, n_rows, have);
+        interpolate(c.t_draft, n_draft, have_d);
+        if (dflash_costs_plausible(&c)) break;
     }
     clear_target(e);
     if (e->drafter) dflash_state_reset(e->st);
     if (rc != 0) return -1;
-    c.n_rows = n_rows;
-    c.n_draft = n_draft;
-    interpolate(c.t_verify, n_rows, have);
-    interpolate(c.t_draft, n_draft, have_d);
     dflash_engine_set_costs(e, &c);
     if (out) *out = c;
     return 0;

@@ -90,6 +90,29 @@ void dflash_policy_set_costs(struct dflash_policy * p, const struct dflash_costs
     p->n_valued[0] = p->n_valued[1] = 0;  // (gains priced on the old curves)
 }
 
+// No size more than twice a larger one, nor more than twice per row a smaller one (plus slack).
+static bool curve_plausible(const double * t, int32_t n) {
+    const double slack = 5e-4;
+    for (int32_t i = 1; i <= n; i++) {
+        for (int32_t j = i + 1; j <= n; j++) {
+            if (t[i - 1] > 2.0 * t[j - 1] + slack) return false;
+            if (t[j - 1] > 2.0 * t[i - 1] * j / i + slack) return false;
+        }
+    }
+    return true;
+}
+
+bool dflash_costs_plausible(const struct dflash_costs * c) {
+    if (c->n_rows < 0 || c->n_rows > DFLASH_MAX_ROWS || c->n_draft < 0 || c->n_draft > DFLASH_MAX_DRAFT) return false;
+    for (int32_t k = 0; k < c->n_rows; k++) {
+        if (!(c->t_verify[k] > 0.0) || !isfinite(c->t_verify[k])) return false;
+    }
+    for (int32_t n = 0; n < c->n_draft; n++) {
+        if (!(c->t_draft[n] >= 0.0) || !isfinite(c->t_draft[n])) return false;
+    }
+    return curve_plausible(c->t_verify, c->n_rows) && curve_plausible(c->t_draft, c->n_draft);
+}
+
 // t[j - 1] holds the value at j = 1 .. n; linear beyond the last two.
 static double curve(const double * t, int32_t n, int32_t k) {
     if (k <= n) return t[k - 1];

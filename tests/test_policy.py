@@ -171,6 +171,10 @@ def test_the_calibration_is_reloaded_as_it_was_saved(artifacts, cache):
         _set_costs(g, [1.0 + 0.01 * k for k in range(g.max_draft_len + 1)], [0.01] * g.max_draft_len)
         for p in PROMPTS:  # (near-free drafts: drafted, so the calibration counts move)
             g.generate(p, 32)
+        # (the steps refined the near-free draft curve into a shape no machine has, which a load
+        # measures again: a plausible one is saved beside the calibration)
+        _set_costs(g, [1.0 + 0.01 * k for k in range(g.max_draft_len + 1)], [0.2] * g.max_draft_len)
+        policy.save(g._core._engine, g._core._cost_key)
         saved = g.cost_model()
     assert sum(map(sum, saved["reached"])) > 0
     stored = next(iter(json.loads((cache / "costs.json").read_text()).values()))
@@ -196,6 +200,47 @@ def test_a_damaged_cost_cache_is_measured_again(artifacts, cache):
                                                              "accepted": []}}))
         g.generate("hello", 8)  # an entry of the wrong shape: measured instead
         assert all(t > 0 for t in g.cost_model()["t_verify"])
+
+
+def _costs(t_verify, t_draft=()):
+    return ffi.new("struct dflash_costs *", {"n_rows": len(t_verify), "t_verify": list(t_verify),
+                                             "n_draft": len(t_draft), "t_draft": list(t_draft)})
+
+
+def test_cost_curves_shaped_as_no_machine_times_are_implausible():
+    """A curve timed while something else held the cores has a shape no machine has; measured
+    curves of real models (compute-bound rows, kernels that switch at some sizes) pass."""
+    for tv, td in ((TV, TD), ([x * 1e-3 for x in TV_QWEN], []), ([x * 1e-3 for x in TV_GEMMA], TD_CHEAP),
+                   ([x * 7e-3 for x in TV_RATIOS_16], [])):
+        assert lib.dflash_costs_plausible(_costs(tv, td))
+    assert lib.dflash_costs_plausible(_costs([2e-5, 4e-4]))  # tiny times: within the timer's slack
+    # seen cached on this machine: one row timed at 1.1 s against 56-210 ms for larger batches
+    assert not lib.dflash_costs_plausible(_costs([1.108, 0.056, 0.071, 0.09, 0.12, 0.15, 0.18, 0.21]))
+    assert not lib.dflash_costs_plausible(_costs(TV[:3] + [TV[3] * 3] + TV[4:]))  # one size preempted
+    assert not lib.dflash_costs_plausible(_costs([5e-3, 40e-3]))  # 2 rows at 8x the one-row time
+    assert not lib.dflash_costs_plausible(_costs(TV, TD[:2] + [0.5] + TD[3:]))  # one draft size preempted
+    assert not lib.dflash_costs_plausible(_costs([float("nan"), 1.0]))
+    assert not lib.dflash_costs_plausible(_costs([1.0], [-1.0]))
+
+
+def test_a_cached_cost_model_timed_under_load_is_measured_again(artifacts, cache):
+    """A cached entry whose curves are implausible is measured again as the engine starts; the
+    calibration saved beside it is kept."""
+    a = artifacts["llama"]
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        n = g.max_draft_len
+        key = policy.cost_key(a["target"], a["drafter"], g.n_threads, "cpu", "default")
+    reached = [[float(i + b) for b in range(10)] for i in range(int(lib.DFLASH_CAL_POS))]
+    accepted = [[r / 2 for r in row] for row in reached]
+    bad = [1.108] + [0.05 + 0.01 * k for k in range(n)]
+    (cache / "costs.json").write_text(json.dumps({key: {"t_verify": bad, "t_draft": [1e-3] * n,
+                                                        "reached": reached, "accepted": accepted}}))
+    with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
+        g._core.ensure_costs()
+        got = g.cost_model()
+    assert got["t_verify"] != bad and lib.dflash_costs_plausible(_costs(got["t_verify"], got["t_draft"]))
+    assert got["t_verify"][0] < 0.5  # (a tiny model: milliseconds)
+    assert got["reached"] == reached and got["accepted"] == accepted
 
 
 def test_unusable_costs_fall_back_to_the_unit_model(artifacts, cache):

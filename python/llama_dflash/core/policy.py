@@ -36,7 +36,9 @@ def cost_key(model_path: str | os.PathLike, drafter_path: str | os.PathLike | No
 
 
 def load(engine, key: str) -> bool:
-    """Set the engine's cost model and calibration from the cache; False when there is none."""
+    """Set the engine's cost model and calibration from the cache; False when there is none or its
+    cost curves have a shape no machine has (timed under load: `dflash_costs_plausible`) -- the
+    calibration is set then all the same, and only the curves need measuring again."""
     hit = JsonStore(_STORE).get(key)
     try:
         tv, td = [float(x) for x in hit["t_verify"]], [float(x) for x in hit["t_draft"]]
@@ -45,8 +47,10 @@ def load(engine, key: str) -> bool:
         cal = ffi.new("struct dflash_calibration *", {"reached": reached, "accepted": accepted})
     except (TypeError, KeyError, ValueError, IndexError, OverflowError):
         return False  # none, or written by another version
-    lib.dflash_engine_set_costs(engine, c)
     lib.dflash_engine_set_calibration(engine, cal)
+    if not lib.dflash_costs_plausible(c):
+        return False
+    lib.dflash_engine_set_costs(engine, c)
     return bool(lib.dflash_engine_get_costs(engine, ffi.new("struct dflash_costs *")))
 
 
