@@ -240,7 +240,7 @@ static int32_t blind_cut(const struct dflash_policy * p, int32_t n) { return cut
 // 2026-12-03's dense traces and cost curves: 611 of 998 drafts longer than 3, 28 of them verified
 // beyond it; now 178, replayed 0.4 % slower to 3 % faster in 12 set x cost-curve cases, +0.8 %
 // geomean).
-static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
+static int32_t draft_size(struct dflash_policy * p, int32_t n_cap, bool explore) {
     const double R = plain_rate(p);  // (as the gate charges a draft's time: dflash_policy_choose)
     const int32_t j = p->base_rows > 0;
     const int32_t lo = min_draft(p);  // (n_cap >= lo: dflash_policy_plan)
@@ -270,7 +270,7 @@ static int32_t draft_size(struct dflash_policy * p, int32_t n_cap) {
             best_n = m;
         }
     }
-    return p->explore_in == 0 ? n_cap : best_n;
+    return explore && p->explore_in == 0 ? n_cap : best_n;
 }
 
 int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe) {
@@ -291,12 +291,13 @@ int32_t dflash_policy_plan(struct dflash_policy * p, int32_t n_cap, bool * probe
         }
         return 0;
     }
-    const int32_t n = draft_size(p, n_cap);
     const int32_t c = p->state;
-    if (p->gain[c] > 0.0) return n;
+    if (p->gain[c] > 0.0) return draft_size(p, n_cap, true);
     if (++p->skipped[c] >= p->probe_every[c]) {
+        // (a probe is never the draft made whole: where drafts have not been paying, one of n_max
+        // tokens after a plain stretch cost a useless drafter's probes 2-4x their usual time)
         *probe = p->probing = true;
-        return n;
+        return draft_size(p, n_cap, false);
     }
     return 0;
 }
