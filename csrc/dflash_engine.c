@@ -24,6 +24,7 @@ _Static_assert(DFLASH_MAX_ROWS == DFLASH_MAX_DRAFT + 1, "dflash.h: DFLASH_MAX_RO
 struct step_plan {
     int32_t verify[DFLASH_MAX_DRAFT + 1];  // the anchor, then the drafts kept
     int32_t n_drafted;                     // drafts verified
+    int32_t n_returned;                    // drafts the drafter returned (those past the cut: drafts[n_drafted..])
     int32_t n_made;                        // drafts asked of the drafter (its cost)
     int32_t q_k;                           // rejection: candidates per slot in q_cand / q_prob
     bool adaptive;
@@ -576,6 +577,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
         if (!adaptive && n_drafted < params->n_min) n_drafted = 0;
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
+    pl->n_returned = n_made > 0 ? n_drafted : 0;
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
     pl->t_predicted = 0.0;
     if (adaptive || e->policy.have_costs) {  // (a fixed-length step is predicted once a cost model exists)
@@ -678,8 +680,11 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     const double t_v = t_verify + (tc - tb);  // the decode and this engine's accept loop
     e->joint_rows = rows_total;
     e->own_rows = n_drafted + 1;
+    // (greedy / match: the slot past the cut would have been kept iff it equals the target's token)
+    const int32_t shadow = adaptive && conf && !rejection && !e->eos && n_acc == n_drafted && n_drafted < pl->n_returned
+                               ? drafts[n_drafted] == tok : -1;
     dflash_policy_observe(&e->policy, adaptive, n_made, conf, n_drafted, n_acc, n_out, pl->t_draft, pl->n_injected,
-                          t_v, rows_total);
+                          t_v, rows_total, shadow);
     st->steps++;
     st->length_hist[n_drafted]++;
     st->drafted += n_drafted;

@@ -395,7 +395,7 @@ static void credit(struct dflash_policy * p, int32_t c, double g) {
 
 void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf, int32_t k,
                            int32_t n_acc, int32_t committed, double t_draft, int32_t n_injected, double t_verify,
-                           int32_t rows_total) {
+                           int32_t rows_total, int32_t shadow) {
     struct dflash_costs * cm = &p->costs;
     if (rows_total < k + 1) rows_total = k + 1;
     if (p->have_costs && cm->n_rows >= 1) {
@@ -472,6 +472,14 @@ void dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_dr
     if (p->blind) {  // (a fixed-length step of a draft source)
         blind_observe(p, k, n_acc);
         return;
+    }
+    // The slot just past a cut that kept only accepted slots, compared with the token the target
+    // committed there, is a verified slot in all but cost: without it the calibration learnt only
+    // from slots the cut kept, and a bin the cut stopped before (a probe cut to nothing, the tail
+    // of a confident stretch) kept what it had once seen.
+    if (conf && shadow >= 0 && n_acc == k && k < n_drafted) {
+        k++;
+        n_acc += shadow > 0;
     }
     update_recent(p, k, n_acc);
     for (int32_t i = 0; conf && i < k && i <= n_acc; i++) {  // slots reached: every earlier one accepted
@@ -592,7 +600,8 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 // into the draft curve step after step)
                 const double td = n > 0 ? draft_time(costs, n) + injected * t_inject_row : 0.0;
                 const double tv = curve(costs->t_verify, costs->n_rows, k + 1);
-                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, injected, tv, k + 1);
+                dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, injected, tv, k + 1,
+                                      got == k && k < n ? a > k : -1);
                 pending = (n > 0 ? 0 : pending) + got + 1;
                 out->seconds += td + tv;
                 out->steps++;

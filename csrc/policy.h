@@ -79,7 +79,9 @@ int32_t dflash_policy_choose(struct dflash_policy * p, const float * conf, int32
 // After the verify: whether the step was adaptive, what was drafted (n_drafted, 0 for a plain
 // step), verified (k), accepted, committed, and the measured times (t_draft includes injecting
 // n_injected queued feature rows); rows_total: the rows of the decode that verified them (k + 1
-// alone, more in a joint batch).
+// alone, more in a joint batch).  shadow: where all k verified slots were accepted and the draft
+// went on past the cut, whether its slot k equals the token the target committed there (1 / 0;
+// -1: no such slot) -- what verifying it would have shown, learnt at no cost.
 void   dflash_policy_observe(struct dflash_policy * p, bool adaptive, int32_t n_drafted, const float * conf,
                              int32_t k, int32_t n_acc, int32_t committed, double t_draft, int32_t n_injected,
-                             double t_verify, int32_t rows_total);
+                             double t_verify, int32_t rows_total, int32_t shadow);

@@ -427,6 +427,17 @@ def test_replay_useless_drafts_cost_almost_nothing():
     assert r["made"] <= 0.1 * r["steps"] * 7, r
 
 
+def test_replay_slots_past_the_cut_are_learnt_from_the_target_token():
+    """A drafter that is always right but never confident: its slots sit in the bottom confidence
+    bin, so the cut verifies none of them.  What the target commits where the cut stopped (the
+    slot past it, "shadow") still teaches the calibration that those slots are accepted, and the
+    policy drafts; learning only from verified slots it would step plainly for good."""
+    traces = [_trace([7] * 128, lambda a, i: 0.05) for _ in range(10)]
+    r = policy.replay(traces, TV, TD_CHEAP, 7)
+    assert r["plain_seconds"] / r["seconds"] >= 1.5, r
+    assert r["accepted"] >= 0.5 * 10 * 128, r
+
+
 def test_replay_probes_pay_for_the_rows_they_inject():
     """A probe after a plain stretch first injects every row committed since the last draft; its
     cost sets the probe interval, so useless drafts stay cheap however much that injection costs
