@@ -723,6 +723,13 @@ def adaptive() -> list[str]:
                 "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
                 "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
                 "with every other configuration prompt by prompt.", "", *_adaptive_sets(ru, "adaptive_upstream.json")]
+    if (HERE / "adaptive_quiet.json").is_file():
+        rq = _load("adaptive_quiet.json")
+        out += ["### The same bench in a quieter hour, before two policy changes", "",
+                "Half an hour before the run above (our plain loop 125-155 tok/s against 122-135 there), with the "
+                "policy as it was before 2026-12-04 11:20: probes could be the every-8th draft made whole, and the "
+                "calibration learnt only from slots the cut kept.  Not an A/B of the changes: the hours differ.", "",
+                *_adaptive_sets(rq, "adaptive_quiet.json")]
     if (HERE / "adaptive_exact.json").is_file():
         re_ = _load("adaptive_exact.json")
         out += ["### In exact mode", "",
