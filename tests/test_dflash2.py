@@ -241,3 +241,36 @@ def test_batched_blocks_equal_each_alone(artifacts, load_model, v2_drafter, tmp_
     with pytest.raises(Exception, match="appears twice"):
         d.draft_batch([states[0], states[0]], [1, 2], 3)
     d.close()
+
+
+def test_fused_cpu_conv_is_bit_identical_to_ggml_ops(artifacts, load_model, v2_drafter, monkeypatch):
+    """On the CPU the DFlash2 convolution runs as one fused node (csrc/drafter/graph.c); it repeats
+    the generic graph's float operations in their order, so drafts, logits, lattices and
+    confidences equal those of ggml's own ops (DFLASH_UNFUSED_CONV=1, as on a GPU) bit for bit --
+    alone, in growing contexts and with several sequences' blocks in one graph."""
+    a = artifacts["llama"]
+    model = load_model(a["target"])
+    feats = np.random.default_rng(21).standard_normal((200, 192)).astype(np.float32)
+
+    def run() -> list:
+        d = Drafter(v2_drafter, model, n_ctx=512, n_threads=2)
+        out = []
+        for done, anchor, n in growing_context([d], feats, [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)],
+                                               np.random.default_rng(22)):
+            toks, logits, conf = d.draft(anchor, n, return_logits=True, return_conf=True)
+            out.append((done, toks, logits.tobytes(), conf, *(x.tobytes() for x in d.last_lattice())))
+        states = [d.new_state() for _ in range(3)]
+        for i, st in enumerate(states):
+            st.push(feats[: 10 + 20 * i])
+        ids, logits = d.draft_batch(states, [5, 6, 7], 7, return_logits=True)
+        out.append((ids, logits.tobytes(), *(x.tobytes() for st in states for x in st.last_lattice())))
+        d.close()
+        return out
+
+    monkeypatch.setenv("DFLASH_UNFUSED_CONV", "1")
+    generic = run()
+    monkeypatch.delenv("DFLASH_UNFUSED_CONV")
+    fused = run()
+    assert len(fused) == len(generic) == 6
+    for f, g in zip(fused, generic, strict=True):
+        assert f == g

@@ -69,6 +69,7 @@ struct dflash_drafter {
 
     ggml_backend_t backends[2];
     int n_backends;
+    bool fused_conv;               // DFlash2's conv as one CPU node (CPU alone; DFLASH_UNFUSED_CONV=1: ggml's ops)
     ggml_backend_t cpu;
     ggml_backend_sched_t sched;
     void * meta_buf;
@@ -100,6 +101,7 @@ struct dflash_graph {
     int32_t n_kv[DFLASH_MAX_SEQ];                                        // keys in each block's attention,
                                                                          // padded (DFLASH_KV_PAD) ...
     int32_t n_kv_used[DFLASH_MAX_SEQ];                                   // ... of which real: the rest masked
+    int32_t conv_ud[2][2];                                               // DFlash2's fused CPU conv: {side, B}
 };
 
 // Attention spans a multiple of this many cache cells (the unused ones masked): the CPU's tiled

@@ -57,6 +57,50 @@ static struct ggml_tensor * dyn_conv(const struct dflash_drafter * d, struct ggm
     return out;
 }
 
+// The same convolution as one CPU node (conv_kernels + dyn_conv are ~10 nodes a side, and ggml's
+// repeat and pad run element by element when they broadcast along rows): a = x [H, N], b = dyn
+// [2*K*G, N], c = base [H, K, 2], ud = {side, B}.  The float operations and their order are
+// dyn_conv's -- (dyn + base) * x per tap, the taps summed from t = 0, a shifted-out row read as 0
+// -- so the result is bit-identical (this file is compiled without FMA contraction).
+static void conv_fused_cpu(struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,
+                       const struct ggml_tensor * c, int ith, int nth, void * ud) {
+    const int32_t side = ((const int32_t *) ud)[0], B = ((const int32_t *) ud)[1];
+    const int64_t H = a->ne[0], N = a->ne[1], K = c->ne[1], G = b->ne[0] / (2 * K), g = H / G;
+    for (int64_t i = ith; i < N; i += nth) {
+        const int64_t p = i % B;
+        const float * x = (const float *) ((const char *) a->data + i * a->nb[1]);
+        const float * dy = (const float *) ((const char *) b->data + i * b->nb[1]);
+        float * o = (float *) ((char *) dst->data + i * dst->nb[1]);
+        for (int64_t h = 0; h < H; h++) {
+            float acc = 0.0f;
+            for (int64_t t = 0; t < K && t < B; t++) {
+                const int64_t j = side * K + t;
+                const float kern = dy[j * G + h / g] + ((const float *) c->data)[j * H + h];
+                const float xs = p >= t ? x[h - t * (a->nb[1] / (int64_t) sizeof(float))] : 0.0f;
+                const float term = kern * xs;
+                acc = t == 0 ? term : acc + term;
+            }
+            o[h] = acc;
+        }
+    }
+}
+
+// One side of a sub-layer's convolution: the fused CPU node when the drafter runs on the CPU alone
+// (d->fused_conv),
+// else conv_kernels + dyn_conv (*kern: the kernels, made once for both sides).
+static struct ggml_tensor * conv_side(const struct dflash_drafter * d, struct ggml_context * ctx,
+                                      struct dflash_graph * G, struct ggml_tensor * x, struct ggml_tensor * dyn,
+                                      struct ggml_tensor * base, struct ggml_tensor ** kern, int side, int64_t B) {
+    if (d->fused_conv) {
+        if (!ggml_is_contiguous(x)) x = ggml_cont(ctx, x);
+        G->conv_ud[side][0] = side;
+        G->conv_ud[side][1] = (int32_t) B;
+        return ggml_map_custom3(ctx, x, dyn, base, conv_fused_cpu, 1, G->conv_ud[side]);
+    }
+    if (!*kern) *kern = conv_kernels(d, ctx, dyn, base);
+    return dyn_conv(d, ctx, x, *kern, side, B);
+}
+
 static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * x, struct ggml_tensor * w, float eps) {
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
@@ -208,10 +252,10 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         const bool v2 = hp->version == 2;
         const bool swa = hp->n_swa > 0 && hp->swa_layers[il];
         struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
-        struct ggml_tensor * kern_a = NULL;
+        struct ggml_tensor * kern_a = NULL, * dyn_a = NULL;
         if (v2) {
-            kern_a = conv_kernels(d, ctx, ggml_mul_mat(ctx, L->attn_conv_proj, u), L->attn_conv_base);
-            u = dyn_conv(d, ctx, u, kern_a, 0, B);
+            dyn_a = ggml_mul_mat(ctx, L->attn_conv_proj, u);
+            u = conv_side(d, ctx, G, u, dyn_a, L->attn_conv_base, &kern_a, 0, B);
         }
         if (!ggml_is_contiguous(u)) u = ggml_cont(ctx, u); // per-sequence column views below
 
@@ -247,19 +291,19 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         }
         o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, N);
         o = ggml_mul_mat(ctx, L->wo, o);
-        if (v2) o = dyn_conv(d, ctx, o, kern_a, 1, B);
+        if (v2) o = conv_side(d, ctx, G, o, dyn_a, L->attn_conv_base, &kern_a, 1, B);
         h = ggml_add(ctx, h, o);
 
         struct ggml_tensor * v = rms(ctx, h, L->ffn_norm, hp->rms_eps);
-        struct ggml_tensor * kern_m = NULL;
+        struct ggml_tensor * kern_m = NULL, * dyn_m = NULL;
         if (v2) {
-            kern_m = conv_kernels(d, ctx, ggml_mul_mat(ctx, L->ffn_conv_proj, v), L->ffn_conv_base);
-            v = dyn_conv(d, ctx, v, kern_m, 0, B);
+            dyn_m = ggml_mul_mat(ctx, L->ffn_conv_proj, v);
+            v = conv_side(d, ctx, G, v, dyn_m, L->ffn_conv_base, &kern_m, 0, B);
         }
         struct ggml_tensor * g = ggml_silu(ctx, ggml_mul_mat(ctx, L->ffn_gate, v));
         struct ggml_tensor * m = ggml_mul(ctx, g, ggml_mul_mat(ctx, L->ffn_up, v));
         m = ggml_mul_mat(ctx, L->ffn_down, m);
-        if (v2) m = dyn_conv(d, ctx, m, kern_m, 1, B);
+        if (v2) m = conv_side(d, ctx, G, m, dyn_m, L->ffn_conv_base, &kern_m, 1, B);
         h = ggml_add(ctx, h, m);
     }
 

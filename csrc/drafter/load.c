@@ -601,6 +601,9 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
     if (main_be) d->backends[d->n_backends++] = main_be;
     d->backends[d->n_backends++] = d->cpu;
     ggml_backend_cpu_set_n_threads(d->cpu, n_threads > 0 ? n_threads : 1);
+    // (the generic graph stays reachable on the CPU so that tests compare the two bit for bit)
+    const char * unfused = getenv("DFLASH_UNFUSED_CONV");
+    d->fused_conv = d->n_backends == 1 && !(unfused && *unfused && strcmp(unfused, "0") != 0);
     return true;
 }
 
