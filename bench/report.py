@@ -728,7 +728,8 @@ def adaptive() -> list[str]:
         out += ["### The same bench in a quieter hour, before two policy changes", "",
                 "An hour before the run above (our plain loop 125-155 tok/s against 122-139 there), with the "
                 "policy as it was before 2026-12-04 11:20: probes could be the every-8th draft made whole, and the "
-                "calibration learnt only from slots the cut kept; and before DFlash2's convolution ran as one fused CPU node.  "
+                "calibration learnt only from slots the cut kept; and before DFlash2's convolution ran as one "
+                "fused CPU node.  "
                 "Not an A/B of the changes: the hours differ.", "",
                 *_adaptive_sets(rq, "adaptive_quiet.json")]
     if (HERE / "adaptive_exact.json").is_file():
