@@ -716,30 +716,25 @@ def adaptive() -> list[str]:
     out = ["## Cost-aware drafting", ""]
     if r.get("sets"):
         out += _adaptive_sets(r, "adaptive.json")
-    if (HERE / "adaptive_upstream.json").is_file():
-        ru = _load("adaptive_upstream.json")
-        out += ["### Against upstream llama.cpp's own DFlash loop", "",
-                "The same two files through upstream's `llama-speculative-simple --spec-type draft-dflash` (built "
-                "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
-                "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
-                "with every other configuration prompt by prompt.", "", *_adaptive_sets(ru, "adaptive_upstream.json")]
-    if (HERE / "adaptive_quiet.json").is_file():
-        rq = _load("adaptive_quiet.json")
-        out += ["### The same bench in a quieter hour, before two policy changes", "",
-                "An hour before the run above (our plain loop 125-155 tok/s against 122-139 there), with the "
-                "policy as it was before 2026-12-04 11:20: probes could be the every-8th draft made whole, and the "
-                "calibration learnt only from slots the cut kept; and before DFlash2's convolution ran as one "
-                "fused CPU node.  "
-                "Not an A/B of the changes: the hours differ.", "",
-                *_adaptive_sets(rq, "adaptive_quiet.json")]
-    if (HERE / "adaptive_exact.json").is_file():
-        re_ = _load("adaptive_exact.json")
-        out += ["### In exact mode", "",
-                "Our loop in exact mode (flash attention, the weight layout it picks, reference CPU kernels; every "
-                "adaptive output checked identical to our plain one, and our plain greedy output to "
-                "llama-cpp-python's under the same settings), against "
-                "llama-cpp-python at its defaults and under exact mode's settings.", "",
-                *_adaptive_sets(re_, "adaptive_exact.json")]
+    # (other runs of the bench: file, heading, what sets it apart)
+    for name, title, intro in (
+            ("adaptive_upstream.json", "Against upstream llama.cpp's own DFlash loop",
+             "The same two files through upstream's `llama-speculative-simple --spec-type draft-dflash` (built "
+             "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
+             "decode speed and acceptance from its log (τ from its drafted / accepted counts), interleaved "
+             "with every other configuration prompt by prompt."),
+            ("adaptive_quiet.json", "The same bench in a quieter hour, before two policy changes",
+             "An hour before the run above (our plain loop 125-155 tok/s against 122-139 there), with the "
+             "policy as it was before 2026-12-04 11:20: probes could be the every-8th draft made whole, and the "
+             "calibration learnt only from slots the cut kept; and before DFlash2's convolution ran as one "
+             "fused CPU node.  Not an A/B of the changes: the hours differ."),
+            ("adaptive_exact.json", "In exact mode",
+             "Our loop in exact mode (flash attention, the weight layout it picks, reference CPU kernels; every "
+             "adaptive output checked identical to our plain one, and our plain greedy output to "
+             "llama-cpp-python's under the same settings), against "
+             "llama-cpp-python at its defaults and under exact mode's settings.")):
+        if (HERE / name).is_file():
+            out += [f"### {title}", "", intro, "", *_adaptive_sets(_load(name), name)]
     out += policy_reach()
     rp = r.get("replay")
     if rp:
