@@ -577,7 +577,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
         if (!adaptive && n_drafted < params->n_min) n_drafted = 0;
     }
     const int32_t n_made = n;  // what the drafter was asked for (its cost), n_drafted: what is verified
-    pl->n_returned = n_made > 0 ? n_drafted : 0;
+    pl->n_returned = n_drafted;  // (0 for a plain step)
     if (adaptive && n_made > 0) n_drafted = dflash_policy_choose(&e->policy, conf, n_drafted, n_made, expected);
     pl->t_predicted = 0.0;
     if (adaptive || e->policy.have_costs) {  // (a fixed-length step is predicted once a cost model exists)
