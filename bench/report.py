@@ -341,8 +341,7 @@ def heldout() -> list[str]:
     return out + [""]
 
 
-def _datasize_table(name: str) -> list[str]:
-    d = _load(name)
+def _datasize_table(name: str, d: dict) -> list[str]:
     extra = f" ({d['recorded_from']})" if d.get("recorded_from") else ""
     out = [_source(d["command"], d["date"], name, extra),
            f"From `{d['init']}`, {d['tune_steps']} tuning steps (`--distill {d['distill']}`) on samples of "
@@ -367,12 +366,12 @@ def _datasize_table(name: str) -> list[str]:
 
 def datasize() -> list[str]:
     """datasize*.json: one start and tuning budget on growing samples of one data set (a file per budget)."""
-    names = sorted((f.name for f in HERE.glob("datasize*.json")), key=lambda n: _load(n)["tune_steps"])
-    if not names:
+    runs = sorted(((f.name, _load(f.name)) for f in HERE.glob("datasize*.json")), key=lambda r: r[1]["tune_steps"])
+    if not runs:
         return []
     out = ["### The data-size curve", ""]
-    for name in names:
-        out += _datasize_table(name)
+    for name, d in runs:
+        out += _datasize_table(name, d)
     return out
 
 
