@@ -251,6 +251,38 @@ int32_t dflash_capture_row_width(const dflash_capture * c);
  * -1 when libllama does not export what it needs (llama_context::get_sched). */
 int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
 
+/* ---- small-batch kernels (csrc/kernels, docs/architecture.md §14) ------- */
+
+/* A ggml ACCEL backend that takes the target's matrix products with 1..16 activation rows on
+ * weights of type Q4_0, Q8_0, Q4_K, Q5_K or Q6_K in ggml's standard layout (repacked CPU weights and
+ * other types stay with ggml-cpu).  Each weight block is read once for all rows, and a row's result
+ * does not depend on the rows beside it: verify batches are bit-identical to one-row decodes in
+ * the products it takes.  Register it before any llama_context is created: contexts made earlier
+ * never see it.  Returns 0, or -1 with the reason in err (a libggml of another version, a CPU
+ * without AVX2). */
+int32_t dflash_kernels_register(char * err, size_t err_len);
+/* Off: the scheduler gives ggml-cpu every product from the next graph it splits on (process-wide). */
+void    dflash_kernels_set_enabled(bool on);
+
+struct dflash_kernel_stats {
+    bool    registered;
+    bool    enabled;
+    char    status[160];       /* one line: on (which instruction set) or why off */
+    int64_t products;          /* matrix products computed since the process started */
+    int64_t rows;              /* activation rows in them */
+    int64_t by_rows[17];       /* products by activation rows (1..16) */
+};
+void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
+/* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard
+ * layout, on n_threads threads: the backend's own path, for tests and benchmarks.  isa: "avx512vnni",
+ * "avx2" or "" (the best this CPU runs).  -1: a product the kernels do not take, -2: an instruction
+ * set this CPU lacks. */
+int32_t dflash_kernels_mul(const char * isa, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
+                           int32_t n, float * y, int32_t n_threads);
+/* The same product computed by ggml-cpu: the reference of the tests.  -1: failed. */
+int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t ncol, const float * x, int32_t n,
+                                float * y, int32_t n_threads);
+
 /* ---- the speculative loop ---------------------------------------------- */
 
 /* External draft source: write up to n tokens proposed after the committed

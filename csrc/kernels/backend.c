@@ -1,0 +1,318 @@
+/*
+ * A ggml backend of our own for the target's small matrix products (docs/architecture.md §14).
+ *
+ * Registered through ggml's public registry as an ACCEL device, it sits ahead of the CPU backend in
+ * every llama_context created afterwards.  Its buffer type is the CPU's own, so llama.cpp places no
+ * weight differently (make_cpu_buft_list skips it) and prefill runs exactly as before; the scheduler
+ * hands it a MUL_MAT whose weight lives in a host buffer in ggml's standard layout, of a type
+ * qmm.h decodes, with 1..DFK_MAX_ROWS activation rows.  Everything else stays with ggml-cpu.
+ * Threads are OpenMP's, the same pool ggml-cpu uses, so nothing spins beside it.
+ */
+#include "dflash.h"
+#include "ggml_abi.h"
+#include "qmm.h"
+
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifndef DFLASH_GGML_VERSION
+#define DFLASH_GGML_VERSION "0.25.3"
+#endif
+
+static const struct dfk_isa * g_isa;
+static atomic_bool g_enabled = true;
+static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1];
+static char g_status[160] = "not registered";
+
+struct kctx {
+    int n_threads;
+    void * act;
+    size_t act_size;
+    void * scratch;
+    size_t scratch_size;
+};
+
+static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
+    *ok = true;
+    switch (t) {
+    case GGML_TYPE_Q4_0: return DFK_Q4_0;
+    case GGML_TYPE_Q8_0: return DFK_Q8_0;
+    case GGML_TYPE_Q4_K: return DFK_Q4_K;
+    case GGML_TYPE_Q5_K: return DFK_Q5_K;
+    case GGML_TYPE_Q6_K: return DFK_Q6_K;
+    default: *ok = false; return DFK_Q4_0;
+    }
+}
+
+static int64_t act_rows(const struct ggml_tensor * x) { return x->ne[1] * x->ne[2] * x->ne[3]; }
+
+/* The products this backend takes; the scheduler asks with the weight's buffer set. */
+static bool takes(const struct ggml_tensor * op) {
+    if (!g_isa || !atomic_load(&g_enabled) || op->op != GGML_OP_MUL_MAT) return false;
+    const struct ggml_tensor * w = op->src[0], * x = op->src[1];
+    bool ok;
+    enum dfk_wtype t = wtype_of(w->type, &ok);
+    if (!ok || x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
+    if (!w->buffer || ggml_backend_buffer_get_size(w->buffer) == 0 ||
+        !ggml_backend_buft_is_host(ggml_backend_buffer_get_type(w->buffer)) || w->view_src) return false;
+    if (w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
+    if (w->nb[0] != ggml_type_size(w->type) || w->nb[1] != ggml_row_size(w->type, w->ne[0])) return false;
+    const int64_t n = act_rows(x);
+    if (n < 1 || n > DFK_MAX_ROWS) return false;
+    /* activation rows evenly strided, f32 values contiguous; the output likewise */
+    if (x->ne[0] != w->ne[0] || x->nb[0] != sizeof(float) || x->nb[2] != x->nb[1] * x->ne[1] ||
+        x->nb[3] != x->nb[2] * x->ne[2]) return false;
+    if (op->ne[0] != w->ne[1] || op->nb[0] != sizeof(float) || op->nb[2] != op->nb[1] * op->ne[1] ||
+        op->nb[3] != op->nb[2] * op->ne[2] || act_rows(op) != n) return false;
+    return true;
+}
+
+static bool grow(void ** p, size_t * have, size_t need) {
+    if (*have >= need) return true;
+    free(*p);
+    *p = aligned_alloc(64, (need + 63) & ~(size_t) 63);
+    *have = *p ? need : 0;
+    return *p != NULL;
+}
+
+/* y = x . W^T for the n rows of x over threads: rows quantized in parallel, then columns split. */
+static void run(const struct dfk_isa * isa, enum dfk_wtype t, const void * w, size_t w_row, int64_t k, int64_t ncol,
+                const float * x, size_t x_stride, int n, float * y, size_t y_stride, int nth, void * act, void * scratch) {
+    const int64_t kp = (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK;
+    struct dfk_act a = { k, kp, n, (int8_t *) act, NULL, NULL };
+    a.dxl = (float *) (a.xq + (size_t) n * kp);
+    a.xsl = a.dxl + (size_t) n * (kp / 4);
+    #pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int r0 = n * ith / nt, r1 = n * (ith + 1) / nt;
+        if (r1 > r0) isa->quantize(t, x, x_stride, &a, r0, r1);
+        #pragma omp barrier
+        const int64_t per = (ncol + nt - 1) / nt, c0 = per * ith, c1 = c0 + per < ncol ? c0 + per : ncol;
+        if (c1 > c0) isa->mul(t, w, w_row, c0, c1, &a, y, y_stride, (char *) scratch + dfk_scratch_size(kp) * (size_t) ith);
+    }
+}
+
+static int64_t padded(int64_t k) { return (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK; }
+
+static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
+    const struct ggml_tensor * w = op->src[0], * x = op->src[1];
+    bool ok;
+    const enum dfk_wtype t = wtype_of(w->type, &ok);
+    const int n = (int) act_rows(x);
+    const int64_t k = w->ne[0], ncol = w->ne[1];
+    int nth = c->n_threads > 0 ? c->n_threads : 1;
+    if (ncol * k < 65536) nth = 1;  /* too small to be worth waking a thread */
+    if (!grow(&c->act, &c->act_size, dfk_act_size(padded(k), n)) ||
+        !grow(&c->scratch, &c->scratch_size, dfk_scratch_size(padded(k)) * (size_t) nth)) return GGML_STATUS_ALLOC_FAILED;
+    run(g_isa, t, w->data, w->nb[1], k, ncol, (const float *) x->data, x->nb[1], n, (float *) op->data, op->nb[1],
+        nth, c->act, c->scratch);
+    atomic_fetch_add(&g_products, 1);
+    atomic_fetch_add(&g_rows, n);
+    atomic_fetch_add(&g_by_rows[n], 1);
+    return GGML_STATUS_SUCCESS;
+}
+/* backend */
+
+static const char * be_name(ggml_backend_t b) { return "DFLASH"; }
+
+static void be_free(ggml_backend_t b) {
+    struct kctx * c = (struct kctx *) b->context;
+    free(c->act);
+    free(c->scratch);
+    free(c);
+    free(b);
+}
+
+static bool is_view(enum ggml_op op) {
+    return op == GGML_OP_NONE || op == GGML_OP_RESHAPE || op == GGML_OP_VIEW || op == GGML_OP_PERMUTE ||
+           op == GGML_OP_TRANSPOSE;
+}
+
+static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
+    struct kctx * c = (struct kctx *) b->context;
+    for (int i = 0; i < ggml_graph_n_nodes(g); i++) {
+        struct ggml_tensor * node = ggml_graph_node(g, i);
+        if (is_view(node->op)) continue;
+        if (node->op != GGML_OP_MUL_MAT) return GGML_STATUS_FAILED;
+        enum ggml_status st = mul_mat(c, node);
+        if (st != GGML_STATUS_SUCCESS) return st;
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
+static void set_n_threads(ggml_backend_t b, int n) { ((struct kctx *) b->context)->n_threads = n; }
+
+static ggml_guid_t guid(void) {
+    static ggml_guid g = { 0x64, 0x66, 0x6c, 0x61, 0x73, 0x68, 0x2d, 0x6b, 0x65, 0x72, 0x6e, 0x65, 0x6c, 0x73, 0x00, 0x01 };
+    return &g;
+}
+
+static ggml_backend_t dev_init(ggml_backend_dev_t dev, const char * params) {
+    struct kctx * c = (struct kctx *) calloc(1, sizeof(*c));
+    ggml_backend_t b = (ggml_backend_t) calloc(1, sizeof(*b));
+    if (!c || !b) { free(c); free(b); return NULL; }
+    c->n_threads = GGML_DEFAULT_N_THREADS;
+    b->guid = guid();
+    b->iface.get_name = be_name;
+    b->iface.free = be_free;
+    b->iface.graph_compute = be_compute;
+    b->device = dev;
+    b->context = c;
+    return b;
+}
+
+/* device */
+
+static const char * dev_name(ggml_backend_dev_t d) { return "DFLASH"; }
+
+static const char * dev_desc(ggml_backend_dev_t d) {
+    static char s[96];
+    snprintf(s, sizeof(s), "llama-dflash small-batch kernels (%s)", g_isa ? g_isa->name : "none");
+    return s;
+}
+
+static void dev_memory(ggml_backend_dev_t d, size_t * free_, size_t * total) {
+    const long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGE_SIZE);
+    *total = pages > 0 ? (size_t) pages * (size_t) psz : 0;
+    *free_ = avail > 0 ? (size_t) avail * (size_t) psz : 0;
+}
+
+static enum ggml_backend_dev_type dev_type(ggml_backend_dev_t d) { return GGML_BACKEND_DEVICE_TYPE_ACCEL; }
+
+static void dev_props(ggml_backend_dev_t d, struct ggml_backend_dev_props * p) {
+    memset(p, 0, sizeof(*p));
+    p->name = dev_name(d);
+    p->description = dev_desc(d);
+    p->type = GGML_BACKEND_DEVICE_TYPE_ACCEL;
+    dev_memory(d, &p->memory_free, &p->memory_total);
+}
+
+/* the CPU's own buffer type: llama.cpp then places no weight differently */
+static ggml_backend_buffer_type_t dev_buft(ggml_backend_dev_t d) { return ggml_backend_cpu_buffer_type(); }
+
+/* views are left where the scheduler puts them (taking one would split the graph for nothing) */
+static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op); }
+
+static bool dev_supports_buft(ggml_backend_dev_t d, ggml_backend_buffer_type_t buft) { return ggml_backend_buft_is_host(buft); }
+
+static bool dev_offload_op(ggml_backend_dev_t d, const struct ggml_tensor * op) { return false; }
+
+/* registry */
+
+static struct ggml_backend_device g_dev;
+static struct ggml_backend_reg g_reg;
+
+static const char * reg_name(ggml_backend_reg_t r) { return "DFLASH"; }
+static size_t reg_count(ggml_backend_reg_t r) { return 1; }
+static ggml_backend_dev_t reg_dev(ggml_backend_reg_t r, size_t i) { return i == 0 ? &g_dev : NULL; }
+
+static void * reg_proc(ggml_backend_reg_t r, const char * name) {
+    return strcmp(name, "ggml_backend_set_n_threads") == 0 ? (void *) set_n_threads : NULL;
+}
+
+int32_t dflash_kernels_register(char * err, size_t err_len) {
+    static int done = 0;  /* 1 registered, -1 refused */
+    if (!done) {
+        const char * v = ggml_version();
+        if (!v || strcmp(v, DFLASH_GGML_VERSION) != 0)
+            snprintf(g_status, sizeof(g_status), "kernels off: libggml %s, built for %s", v ? v : "?", DFLASH_GGML_VERSION);
+        else if (!(g_isa = dfk_isa_best()))
+            snprintf(g_status, sizeof(g_status), "kernels off: this CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C");
+        done = -1;
+        if (g_isa) {
+            g_dev.iface.get_name = dev_name;
+            g_dev.iface.get_description = dev_desc;
+            g_dev.iface.get_memory = dev_memory;
+            g_dev.iface.get_type = dev_type;
+            g_dev.iface.get_props = dev_props;
+            g_dev.iface.init_backend = dev_init;
+            g_dev.iface.get_buffer_type = dev_buft;
+            g_dev.iface.supports_op = dev_supports_op;
+            g_dev.iface.supports_buft = dev_supports_buft;
+            g_dev.iface.offload_op = dev_offload_op;
+            g_dev.reg = &g_reg;
+            g_reg.api_version = DFLASH_GGML_BACKEND_API_VERSION;
+            g_reg.iface.get_name = reg_name;
+            g_reg.iface.get_device_count = reg_count;
+            g_reg.iface.get_device = reg_dev;
+            g_reg.iface.get_proc_address = reg_proc;
+            ggml_backend_register(&g_reg);
+            snprintf(g_status, sizeof(g_status), "kernels on (%s)", g_isa->name);
+            done = 1;
+        }
+    }
+    if (done < 0 && err) snprintf(err, err_len, "%s", g_status);
+    return done > 0 ? 0 : -1;
+}
+
+void dflash_kernels_set_enabled(bool on) { atomic_store(&g_enabled, on); }
+
+void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
+    memset(out, 0, sizeof(*out));
+    out->registered = g_isa != NULL;
+    out->enabled = g_isa != NULL && atomic_load(&g_enabled);
+    snprintf(out->status, sizeof(out->status), "%s", g_isa && !atomic_load(&g_enabled) ? "kernels off (switched off)" : g_status);
+    out->products = atomic_load(&g_products);
+    out->rows = atomic_load(&g_rows);
+    for (int i = 0; i <= DFK_MAX_ROWS; i++) out->by_rows[i] = atomic_load(&g_by_rows[i]);
+}
+
+int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
+                           int32_t n, float * y, int32_t n_threads) {
+    bool ok;
+    const enum dfk_wtype t = wtype_of((enum ggml_type) type, &ok);
+    const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
+    if (!isa) return -2;
+    if (!ok || n < 1 || n > DFK_MAX_ROWS || k < 1 || ncol < 1 || k % dfk_block_values(t) != 0 || !isa->takes(t, k))
+        return -1;
+    const int nth = n_threads > 0 ? n_threads : 1;
+    const size_t w_row = (size_t) (k / dfk_block_values(t)) * dfk_block_bytes(t);
+    void * act = NULL, * scratch = NULL;
+    size_t ha = 0, hs = 0;
+    int32_t rc = -1;
+    if (grow(&act, &ha, dfk_act_size(padded(k), n)) && grow(&scratch, &hs, dfk_scratch_size(padded(k)) * (size_t) nth)) {
+        run(isa, t, w, w_row, k, ncol, x, (size_t) k * sizeof(float), n, y, (size_t) ncol * sizeof(float), nth, act, scratch);
+        rc = 0;
+    }
+    free(act);
+    free(scratch);
+    return rc;
+}
+
+/* The same product by ggml-cpu (a one-node graph): the reference the tests hold the kernels to. */
+int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t ncol, const float * x, int32_t n,
+                                float * y, int32_t n_threads) {
+    struct ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    ggml_backend_t cpu = ggml_backend_cpu_init();
+    if (!ctx || !cpu) { if (ctx) ggml_free(ctx); if (cpu) ggml_backend_free(cpu); return -1; }
+    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    struct ggml_tensor * tw = ggml_new_tensor_2d(ctx, (enum ggml_type) type, k, ncol);
+    struct ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    struct ggml_tensor * ty = ggml_mul_mat(ctx, tw, tx);
+    struct ggml_cgraph * g = ggml_new_graph(ctx);
+    ggml_build_forward_expand(g, ty);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu);
+    int32_t rc = -1;
+    if (buf) {
+        ggml_backend_tensor_set(tw, w, 0, ggml_nbytes(tw));
+        ggml_backend_tensor_set(tx, x, 0, ggml_nbytes(tx));
+        if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_get(ty, y, 0, ggml_nbytes(ty));
+            rc = 0;
+        }
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_backend_free(cpu);
+    ggml_free(ctx);
+    return rc;
+}

@@ -1,0 +1,62 @@
+/*
+ * Small-batch quantized matrix products for the target's verify batches (docs/architecture.md §14).
+ *
+ * y[r][c] = dot(W row c, x row r) for a handful of activation rows r, each weight block read once
+ * for all of them.  Every weight type is decoded, block by block, into one canonical form: 8-bit
+ * unsigned values q with a scale s and an offset o per 4-value lane (value = s*q + o); activations
+ * are quantized per 32 values to int8 with a float scale.  The integer dot of a lane, its scaling and
+ * the final sum run in one fixed order per (r, c), whatever the number of rows, the rows beside it
+ * or the thread that computes it: a k-row product is bit-identical to k one-row products.
+ */
+#ifndef DFLASH_QMM_H
+#define DFLASH_QMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_N_WTYPES };
+
+#define DFK_MAX_ROWS 16  /* activation rows one product takes */
+#define DFK_CHUNK 64     /* values per step of the widest kernel: rows are padded to a multiple */
+
+/* Quantized activation rows: xq [n][kp] int8 and two arrays of [n][kp/4] floats whose meaning is the
+ * instruction set's own (qmm_impl.h: per lane the block scale and scale * lane sum). */
+struct dfk_act {
+    int64_t k, kp;
+    int     n;
+    int8_t * xq;
+    float  * dxl;
+    float  * xsl;
+};
+
+/* One instruction set's kernels (qmm_avx512.c, qmm_avx2.c). */
+struct dfk_isa {
+    const char * name;
+    /* whether it takes weights of type t with rows of k values */
+    bool (*takes)(enum dfk_wtype t, int64_t k);
+    /* quantize rows [r0, r1) of x (row stride in bytes) into a, for weights of type t */
+    void (*quantize)(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1);
+    /* y[r][c] for c in [c0, c1) and every row of a; scratch: dfk_scratch_size(kp) bytes */
+    void (*mul)(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1,
+                const struct dfk_act * a, float * y, size_t y_stride, void * scratch);
+};
+
+size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's three arrays */
+size_t dfk_scratch_size(int64_t kp);               /* bytes of one thread's scratch */
+int64_t dfk_block_values(enum dfk_wtype t);         /* values per weight block */
+size_t  dfk_block_bytes(enum dfk_wtype t);          /* bytes per weight block */
+
+const struct dfk_isa * dfk_isa_avx512(void);        /* NULL where not compiled */
+const struct dfk_isa * dfk_isa_avx2(void);
+const struct dfk_isa * dfk_isa_best(void);           /* the best this CPU runs, NULL: none */
+const struct dfk_isa * dfk_isa_by_name(const char * name); /* "avx512vnni" / "avx2" if this CPU runs it, "": best */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,201 @@
+/* qmm.h's kernels for AVX512 with VNNI (vpdpbusd: u8 x s8 -> s32, four values a lane): rows of a
+ * multiple of 64 values, decoded 64 at a time in registers into qmm.h's canonical form. */
+#include <immintrin.h>
+
+#include "qmm_common.h"
+
+/* decoders: chunk i (values 64i .. 64i+63) of a weight row -> q (u8), s, o per 4-value lane */
+
+static inline __m512 two_scales(float a, float b) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+
+static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
+
+static inline void dec_q4_0(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * b0 = row + (size_t) (2 * i) * 18, * b1 = b0 + 18;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *) (b1 + 2)), _mm_loadu_si128((const __m128i *) (b0 + 2)));
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* lo0 lo1 hi0 hi1 */
+    *q = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));                   /* lo0 hi0 lo1 hi1 */
+    *s = two_scales(h2f_at(b0), h2f_at(b1));
+    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+}
+
+static inline void dec_q8_0(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * b0 = row + (size_t) (2 * i) * 34, * b1 = b0 + 34;
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (b0 + 2))),
+                                         _mm256_loadu_si256((const __m256i *) (b1 + 2)), 1);
+    *q = _mm512_xor_si512(v, _mm512_set1_epi8((char) 0x80));  /* w + 128 */
+    *s = two_scales(h2f_at(b0), h2f_at(b1));
+    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-128.0f));
+}
+
+static inline void k4_scales(const uint8_t * blk, int c, __m512 * s, __m512 * o) {
+    const float d = h2f_at(blk), dmin = h2f_at(blk + 2);
+    uint8_t sc0, m0, sc1, m1;
+    scale_min_k4(2 * c, blk + 4, &sc0, &m0);
+    scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
+    *s = two_scales(d * sc0, d * sc1);
+    *o = two_scales(-dmin * m0, -dmin * m1);
+}
+
+static inline void dec_q4_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * blk = row + (size_t) (i / 4) * 144;
+    const int c = (int) (i % 4);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (blk + 16 + 32 * c));
+    *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+    k4_scales(blk, c, s, o);
+}
+
+static inline void dec_q5_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * blk = row + (size_t) (i / 4) * 176;
+    const int c = (int) (i % 4);
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i v = _mm256_loadu_si256((const __m256i *) (blk + 48 + 32 * c));
+    const __m256i h = _mm256_loadu_si256((const __m256i *) (blk + 16));
+    const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4);
+    const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4);
+    *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(v, m4), hl)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hh), 1);
+    k4_scales(blk, c, s, o);
+}
+
+static inline void dec_q6_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * blk = row + (size_t) (i / 4) * 210;
+    const int j = (int) (i % 4), n = j / 2, p = j % 2;
+    const __m512i L = _mm512_loadu_si512((const void *) (blk + 64 * n));
+    const __m256i H = _mm256_loadu_si256((const __m256i *) (blk + 128 + 32 * n));
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    const __m512i low = _mm512_and_si512(p ? _mm512_srli_epi16(L, 4) : L, m4);
+    const __m512i hx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4 * p)),
+                                          _mm256_srli_epi16(H, 4 * p + 2), 1);
+    *q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hx, m3), 4));
+    int32_t sc4;
+    memcpy(&sc4, blk + 192 + 8 * n + 4 * p, 4);
+    const __m128 f4 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4))), _mm_set1_ps(h2f_at(blk + 208)));
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    *s = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f4));
+    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
+}
+
+/* Activations (struct dfk_act): xq int8 values, one scale per 256 values (dxl[b]) so that it scales
+ * a block's sum once instead of every lane product; per 4-value lane (xsl) the lane's integer sum
+ * times minus the weight type's zero point (8, 128 or 32: the start of the lane's integer dot), or
+ * for the types with float minima (Q4_K, Q5_K) the lane sum as a float. */
+static int zero_point(enum dfk_wtype t) {
+    return t == DFK_Q4_0 ? 8 : t == DFK_Q8_0 ? 128 : t == DFK_Q6_K ? 32 : 0;
+}
+
+static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
+    const int64_t k = a->k, kp = a->kp, zp = zero_point(t);
+    for (int r = r0; r < r1; r++) {
+        const float * xr = (const float *) ((const char *) x + (size_t) r * x_stride);
+        int8_t * q = a->xq + (size_t) r * kp;
+        float * xf = a->xsl + (size_t) r * (kp / 4);
+        int32_t * xc = (int32_t *) xf;
+        float * dx = a->dxl + (size_t) r * (kp / 4);
+        for (int64_t b = 0; b < (kp + 255) / 256; b++) {
+            const int64_t j0 = 256 * b, j1 = j0 + 256 < k ? j0 + 256 : k, p1 = j0 + 256 < kp ? j0 + 256 : kp;
+            float amax = 0.0f;
+            for (int64_t j = j0; j < j1; j++) amax = fmaxf(amax, fabsf(xr[j]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dx[b] = amax / 127.0f;
+            for (int64_t j = j0; j < p1; j++) q[j] = j < k ? (int8_t) nearbyintf(xr[j] * id) : 0;
+            for (int64_t l = j0 / 4; l < p1 / 4; l++) {
+                const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+                if (zp) xc[l] = (int32_t) -zp * sum; else xf[l] = (float) sum;
+            }
+        }
+    }
+}
+
+/* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N */
+#define FUSED_DOT(T, MINS, N)                                                                          \
+    static inline void fdot_##T##_##N(const uint8_t * row, const struct dfk_act * a, int r0, float * y, \
+                                      size_t y_stride) {                                               \
+        __m512 acc[N], blk[N];                                                                         \
+        for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();                                      \
+        const int64_t kp = a->kp, nch = a->k / 64;                                                     \
+        for (int64_t i0 = 0; i0 < nch; i0 += 4) {                                                      \
+            for (int r = 0; r < N; r++) blk[r] = _mm512_setzero_ps();                                  \
+            for (int64_t i = i0; i < i0 + 4 && i < nch; i++) {                                         \
+                __m512i qv;                                                                            \
+                __m512 sv, ov;                                                                         \
+                dec_##T(row, i, &qv, &sv, &ov);                                                        \
+                for (int r = 0; r < N; r++) {                                                          \
+                    const size_t ro = (size_t) (r0 + r);                                               \
+                    const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));  \
+                    const float * xl = a->xsl + ro * (kp / 4) + 16 * i;                                \
+                    if (MINS) {                                                                        \
+                        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);         \
+                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                   \
+                        blk[r] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xl), blk[r]);                     \
+                    } else {                                                                           \
+                        const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *) xl), qv, xv); \
+                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                   \
+                    }                                                                                  \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < N; r++)                                                                \
+                acc[r] = _mm512_fmadd_ps(blk[r], _mm512_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + i0 / 4]), acc[r]); \
+        }                                                                                              \
+        for (int r = 0; r < N; r++)                                                                    \
+            *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = _mm512_reduce_add_ps(acc[r]);     \
+    }
+
+/* the hardware prefetcher alone falls behind once a row's products take more than a few cycles */
+#define DFK_PREFETCH_ROWS 2
+static inline void prefetch_row(const uint8_t * p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
+}
+
+#define FUSED_TYPE(T, MINS)                                                                            \
+    FUSED_DOT(T, MINS, 1) FUSED_DOT(T, MINS, 2) FUSED_DOT(T, MINS, 3) FUSED_DOT(T, MINS, 4)            \
+    FUSED_DOT(T, MINS, 5) FUSED_DOT(T, MINS, 6) FUSED_DOT(T, MINS, 7) FUSED_DOT(T, MINS, 8)            \
+    static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
+                         float * y, size_t y_stride) {                                                 \
+        for (int64_t c = c0; c < c1; c++) {                                                            \
+            const uint8_t * row = (const uint8_t *) w + (size_t) c * w_row;                            \
+            if (c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row);      \
+            for (int r0 = 0; r0 < a->n; r0 += 8) {                                                     \
+                switch (a->n - r0 >= 8 ? 8 : a->n - r0) {                                              \
+                case 1: fdot_##T##_1(row, a, r0, y + c, y_stride); break;                              \
+                case 2: fdot_##T##_2(row, a, r0, y + c, y_stride); break;                              \
+                case 3: fdot_##T##_3(row, a, r0, y + c, y_stride); break;                              \
+                case 4: fdot_##T##_4(row, a, r0, y + c, y_stride); break;                              \
+                case 5: fdot_##T##_5(row, a, r0, y + c, y_stride); break;                              \
+                case 6: fdot_##T##_6(row, a, r0, y + c, y_stride); break;                              \
+                case 7: fdot_##T##_7(row, a, r0, y + c, y_stride); break;                              \
+                default: fdot_##T##_8(row, a, r0, y + c, y_stride); break;                             \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+FUSED_TYPE(q4_0, 0)
+FUSED_TYPE(q8_0, 0)
+FUSED_TYPE(q4_K, 1)
+FUSED_TYPE(q5_K, 1)
+FUSED_TYPE(q6_K, 0)
+
+static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
+                   float * y, size_t y_stride, void * scratch) {
+    switch (t) {
+    case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;
+    default: break;
+    }
+}
+
+static bool takes512(enum dfk_wtype t, int64_t k) { return k % 64 == 0; }
+
+static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512 };
+
+const struct dfk_isa * dfk_isa_avx512(void) { return &isa; }

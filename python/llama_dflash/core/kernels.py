@@ -1,0 +1,59 @@
+"""The small-batch kernels (csrc/kernels, docs/architecture.md §14): a ggml backend of our own that
+takes the target's matrix products of 1..16 rows, registered once per process before any model
+loads.  ``LLAMA_DFLASH_KERNELS=0`` in the environment keeps it unregistered (ggml's kernels
+everywhere, for A/B runs); :func:`set_enabled` switches it off and on for contexts' next graphs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from llama_cpp import _logger
+
+from .. import _native
+
+ENV = "LLAMA_DFLASH_KERNELS"
+
+
+@dataclass
+class KernelStats:
+    """Whether the kernels run, why not, and what they computed in this process."""
+
+    registered: bool
+    enabled: bool
+    status: str
+    products: int = 0
+    rows: int = 0
+    by_rows: dict[int, int] = field(default_factory=dict)  # products by activation rows
+
+    @property
+    def backend(self) -> str:
+        """Which backend runs the target's small products: "dflash" or "ggml"."""
+        return "dflash" if self.enabled else "ggml"
+
+
+def register() -> KernelStats:
+    """Register the backend unless the environment says no (idempotent); a CPU or libggml it cannot
+    serve is logged in one line, and everything runs on ggml's kernels."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return stats()
+    err = _native.err_buf()
+    if _native.lib.dflash_kernels_register(err, _native.ERR_LEN) != 0:
+        _logger.logger.info("llama-dflash: %s", _native.err_str(err))
+    return stats()
+
+
+def set_enabled(on: bool) -> None:
+    """Process-wide: products go to ggml-cpu (False) or to the kernels (True) from the next graph a
+    context splits on; a context reusing its last graph keeps that graph's assignment."""
+    _native.lib.dflash_kernels_set_enabled(bool(on))
+
+
+def stats() -> KernelStats:
+    s = _native.ffi.new("struct dflash_kernel_stats *")
+    _native.lib.dflash_kernels_get_stats(s)
+    status = _native.ffi.string(s.status).decode() if s.registered or s.status[0] != b"\0" else ""
+    if not s.registered and os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        status = f"kernels off ({ENV}=0)"
+    return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
+                       {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]})

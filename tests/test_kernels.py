@@ -1,0 +1,96 @@
+"""The small-batch kernels (csrc/kernels): every weight type against a float64 reference and ggml's
+own product, odd shapes, 1..16 rows, 1 or 2 threads, every instruction set this CPU runs (an
+AVX512 machine runs the AVX2 kernels too), bit-identical rows whatever the batch; and the backend in
+a real context: which products it takes, what it leaves to ggml, and greedy decoding through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from llama_dflash import _native
+from llama_dflash.core import kernels
+
+ffi, lib = _native.ffi, _native.lib
+
+# values a block, bytes a block, byte ranges of the fp16 scales (d, dmin) in it
+BLOCKS = {Q.Q4_0: (32, 18, [(0, 2)]), Q.Q8_0: (32, 34, [(0, 2)]), Q.Q4_K: (256, 144, [(0, 2), (2, 4)]),
+          Q.Q5_K: (256, 176, [(0, 2), (2, 4)]), Q.Q6_K: (256, 210, [(208, 210)])}
+SHAPES = [(256, 40), (576, 64), (512, 7), (1536, 33), (96, 5)]  # (values a row, rows)
+
+
+def isas() -> list[str]:
+    return [name for name in ("avx512vnni", "avx2")
+            if lib.dflash_kernels_mul(name.encode(), int(Q.Q8_0), ffi.NULL, 32, 1, ffi.NULL, 0, ffi.NULL, 1) != -2]
+
+
+def random_weights(t: Q, k: int, ncol: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of type t with sane fp16 scales: every bit pattern of the values is exercised."""
+    bv, bb, scales = BLOCKS[t]
+    raw = rng.integers(0, 256, (ncol, k // bv, bb), dtype=np.uint8)
+    for a, b in scales:
+        d = rng.uniform(0.001, 0.02, (ncol, k // bv)).astype(np.float16)
+        raw[:, :, a:b] = np.frombuffer(d.tobytes(), np.uint8).reshape(ncol, k // bv, 2)
+    return raw.reshape(ncol, -1)
+
+
+def product(fn, t: Q, raw: np.ndarray, x: np.ndarray, threads: int, isa: str | None = "") -> np.ndarray:
+    n, k = x.shape
+    y = np.full((n, raw.shape[0]), np.nan, np.float32)
+    args = (int(t), ffi.from_buffer(raw), k, raw.shape[0], ffi.cast("float *", ffi.from_buffer(x)), n,
+            ffi.cast("float *", ffi.from_buffer(y)), threads)
+    rc = fn(isa.encode(), *args) if isa is not None else fn(*args)
+    assert rc == 0, f"product not taken: rc {rc}"
+    return y
+
+
+@pytest.mark.parametrize("t", list(BLOCKS), ids=lambda t: t.name)
+def test_products_match_ggml_and_are_batch_invariant(t):
+    assert isas(), "no instruction set of the kernels on this CPU"
+    rng = np.random.default_rng(int(t))
+    for isa in isas():
+        for k, ncol in SHAPES:
+            if k % BLOCKS[t][0] or (isa == "avx512vnni" and k % 64):
+                continue
+            raw = random_weights(t, k, ncol, rng)
+            w = dequantize(raw, t).reshape(ncol, k).astype(np.float64)
+            x = (rng.standard_normal((16, k)) * rng.uniform(0.1, 3.0, (16, 1))).astype(np.float32)
+            x[3, :7] *= 40.0  # an outlier block
+            ref = x.astype(np.float64) @ w.T
+            ours = product(lib.dflash_kernels_mul, t, raw, x, 2, isa)
+            ggml = product(lib.dflash_kernels_mul_ggml, t, raw, x, 2, None)
+            scale = np.abs(x).max(1, keepdims=True) * np.abs(w).sum(1)[None, :]
+            err_ours, err_ggml = (np.abs(ours - ref) / scale).max(), (np.abs(ggml - ref) / scale).max()
+            # activations are quantized to 8 bits by both: within a small factor of ggml's own error
+            assert err_ours < 3.0 * err_ggml + 1e-6, (isa, k, ncol, err_ours, err_ggml)
+            for n in range(1, 17):
+                for threads in (1, 2):
+                    rows = product(lib.dflash_kernels_mul, t, raw, x[:n].copy(), threads, isa)
+                    assert np.array_equal(rows, ours[:n]), (isa, k, ncol, n, threads)
+            for i in (0, 5, 15):  # a row alone, as a one-token decode computes it
+                alone = product(lib.dflash_kernels_mul, t, raw, x[i:i + 1].copy(), 1, isa)
+                assert np.array_equal(alone[0], ours[i]), (isa, k, ncol, i)
+
+
+def test_products_not_taken_are_refused():
+    x = np.zeros((17, 64), np.float32)
+    y = np.zeros((17, 4), np.float32)
+    w = random_weights(Q.Q8_0, 64, 4, np.random.default_rng(0))
+    call = lambda t, n, k=64: lib.dflash_kernels_mul(b"", int(t), ffi.from_buffer(w), k, 4,  # noqa: E731
+                                                      ffi.cast("float *", ffi.from_buffer(x)), n,
+                                                      ffi.cast("float *", ffi.from_buffer(y)), 1)
+    assert call(Q.Q8_0, 17) == -1      # more rows than a verify batch
+    assert call(Q.Q8_0, 0) == -1
+    assert call(Q.F16, 2) == -1        # a type the kernels leave to ggml
+    assert call(Q.Q8_0, 2, k=48) == -1  # not whole blocks
+    assert lib.dflash_kernels_mul(b"sse9", int(Q.Q8_0), ffi.from_buffer(w), 64, 4,
+                                  ffi.cast("float *", ffi.from_buffer(x)), 2,
+                                  ffi.cast("float *", ffi.from_buffer(y)), 1) == -2
+
+
+def test_registered_at_import():
+    s = kernels.stats()
+    assert s.registered and s.enabled, s.status
+    assert s.status.startswith("kernels on ("), s.status
