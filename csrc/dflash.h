@@ -261,6 +261,7 @@ int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
  * never see it.  Returns 0, or -1 with the reason in err (a libggml of another version, a CPU
  * without AVX2). */
 int32_t dflash_kernels_register(char * err, size_t err_len);
+#define DFLASH_KERNELS_REPACKED 256
 /* Off: the scheduler gives ggml-cpu every product from the next graph it splits on (process-wide). */
 void    dflash_kernels_set_enabled(bool on);
 
@@ -274,7 +275,8 @@ struct dflash_kernel_stats {
 };
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard
- * layout, on n_threads threads: the backend's own path, for tests and benchmarks.  isa: "avx512vnni",
+ * layout (or, with DFLASH_KERNELS_REPACKED added to a Q4_0 / Q4_K type, in ggml-cpu's repacked layout of
+ * 8-row groups), on n_threads threads: the backend's own path, for tests and benchmarks.  isa: "avx512vnni",
  * "avx2" or "" (the best this CPU runs).  -1: a product the kernels do not take, -2: an instruction
  * set this CPU lacks. */
 int32_t dflash_kernels_mul(const char * isa, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,

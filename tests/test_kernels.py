@@ -94,3 +94,52 @@ def test_registered_at_import():
     s = kernels.stats()
     assert s.registered and s.enabled, s.status
     assert s.status.startswith("kernels on ("), s.status
+
+
+def _scale_min(q: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 6-bit (scale, min) of sub-block j from its 12 packed bytes (last axis)."""
+    q = q.astype(np.int32)
+    if j < 4:
+        return q[..., j] & 63, q[..., j + 4] & 63
+    return (q[..., j + 4] & 15) | ((q[..., j - 4] >> 6) << 4), (q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4)
+
+
+def _pack_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight (scale, min) pairs (last axis) packed as a Q4_K's 12 bytes."""
+    out = np.zeros(sc.shape[:-1] + (12,), np.int32)
+    for j in range(4):
+        out[..., j] = (sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6)
+        out[..., j + 4] = (m[..., j] & 63) | ((m[..., j + 4] >> 4) << 6)
+        out[..., j + 8] = (sc[..., j + 4] & 15) | ((m[..., j + 4] & 15) << 4)
+    return out.astype(np.uint8)
+
+
+def repack(t: Q, raw: np.ndarray) -> np.ndarray:
+    """ggml-cpu's 8-row interleaved layout of Q4_0 / Q4_K rows (what its CPU_REPACK buffers hold on
+    x86), written here from its description: the kernels must read it as the rows it came from."""
+    ncol = raw.shape[0]
+    bv, bb, _ = BLOCKS[t]
+    blocks = raw.reshape(ncol // 8, 8, -1, bb).transpose(0, 2, 1, 3)  # [group][block][row][bytes]
+    g, nb = blocks.shape[:2]
+    if t == Q.Q4_0:
+        qs = (blocks[..., 2:] ^ 0x88).reshape(g, nb, 8, 2, 8).transpose(0, 1, 3, 2, 4).reshape(g, nb, 128)
+        out = np.concatenate([blocks[..., :2].reshape(g, nb, 16), qs], axis=-1)
+    else:
+        sm = [_scale_min(blocks[..., 4:16], j) for j in range(8)]
+        scales = np.stack([_pack_scales(sc, m) for sc, m in sm], axis=2)  # [g][nb][sub-block j][12]
+        qs = blocks[..., 16:].reshape(g, nb, 8, 16, 8).transpose(0, 1, 3, 2, 4).reshape(g, nb, 1024)
+        out = np.concatenate([blocks[..., 0:2].reshape(g, nb, 16), blocks[..., 2:4].reshape(g, nb, 16),
+                              scales.reshape(g, nb, 96), qs], axis=-1)
+    return np.ascontiguousarray(out.reshape(ncol, -1).astype(np.uint8))
+
+
+@pytest.mark.parametrize("t", [Q.Q4_0, Q.Q4_K], ids=lambda t: t.name)
+def test_repacked_layout_reads_as_its_rows(t):
+    rng = np.random.default_rng(7)
+    for isa in isas():
+        for k, ncol in [(256, 16), (512, 40), (1536, 8)]:
+            raw = random_weights(t, k, ncol, rng)
+            x = rng.standard_normal((16, k)).astype(np.float32)
+            plain = product(lib.dflash_kernels_mul, t, raw, x, 2, isa)
+            packed = product(lib.dflash_kernels_mul, int(t) + lib.DFLASH_KERNELS_REPACKED, repack(t, raw), x, 2, isa)
+            assert np.array_equal(plain, packed), (isa, t.name, k, ncol)

@@ -54,15 +54,30 @@ static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
 
 static int64_t act_rows(const struct ggml_tensor * x) { return x->ne[1] * x->ne[2] * x->ne[3]; }
 
+/* ggml-cpu's repacked weights (x86: Q4_0 and Q4_K in groups of 8 rows, qmm_common.h) */
+static bool is_repack_buft(ggml_backend_buffer_type_t buft) { return strcmp(ggml_backend_buft_name(buft), "CPU_REPACK") == 0; }
+
+/* The weight's layout as the kernels name it; false: one they do not read. */
+static bool weight_type(const struct ggml_tensor * w, enum dfk_wtype * t) {
+    bool ok;
+    *t = wtype_of(w->type, &ok);
+    if (!ok || !w->buffer || ggml_backend_buffer_get_size(w->buffer) == 0 || w->view_src) return false;
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(w->buffer);
+    if (ggml_backend_buft_is_host(buft)) return true;
+    /* repacked only where the pinned ggml-cpu repacks these types with 8-row groups: every row
+     * count a multiple of 8 and the repack traits set (tensor->extra) */
+    if (!is_repack_buft(buft) || !w->extra || w->ne[1] % 8 != 0) return false;
+    if (*t == DFK_Q4_0) { *t = DFK_Q4_0_X8; return true; }
+    if (*t == DFK_Q4_K) { *t = DFK_Q4_K_X8; return true; }
+    return false;
+}
+
 /* The products this backend takes; the scheduler asks with the weight's buffer set. */
 static bool takes(const struct ggml_tensor * op) {
     if (!g_isa || !atomic_load(&g_enabled) || op->op != GGML_OP_MUL_MAT) return false;
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
-    bool ok;
-    enum dfk_wtype t = wtype_of(w->type, &ok);
-    if (!ok || x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
-    if (!w->buffer || ggml_backend_buffer_get_size(w->buffer) == 0 ||
-        !ggml_backend_buft_is_host(ggml_backend_buffer_get_type(w->buffer)) || w->view_src) return false;
+    enum dfk_wtype t;
+    if (!weight_type(w, &t) || x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
     if (w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
     if (w->nb[0] != ggml_type_size(w->type) || w->nb[1] != ggml_row_size(w->type, w->ne[0])) return false;
     const int64_t n = act_rows(x);
@@ -105,8 +120,8 @@ static int64_t padded(int64_t k) { return (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_
 
 static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
-    bool ok;
-    const enum dfk_wtype t = wtype_of(w->type, &ok);
+    enum dfk_wtype t;
+    if (!weight_type(w, &t)) return GGML_STATUS_FAILED;
     const int n = (int) act_rows(x);
     const int64_t k = w->ne[0], ncol = w->ne[1];
     int nth = c->n_threads > 0 ? c->n_threads : 1;
@@ -202,7 +217,9 @@ static ggml_backend_buffer_type_t dev_buft(ggml_backend_dev_t d) { return ggml_b
 /* views are left where the scheduler puts them (taking one would split the graph for nothing) */
 static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op); }
 
-static bool dev_supports_buft(ggml_backend_dev_t d, ggml_backend_buffer_type_t buft) { return ggml_backend_buft_is_host(buft); }
+static bool dev_supports_buft(ggml_backend_dev_t d, ggml_backend_buffer_type_t buft) {
+    return ggml_backend_buft_is_host(buft) || is_repack_buft(buft);
+}
 
 static bool dev_offload_op(ggml_backend_dev_t d, const struct ggml_tensor * op) { return false; }
 
@@ -269,7 +286,11 @@ void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
 int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
                            int32_t n, float * y, int32_t n_threads) {
     bool ok;
-    const enum dfk_wtype t = wtype_of((enum ggml_type) type, &ok);
+    enum dfk_wtype t = wtype_of((enum ggml_type) (type & ~DFLASH_KERNELS_REPACKED), &ok);
+    if (ok && (type & DFLASH_KERNELS_REPACKED)) {
+        if (ncol % 8 != 0 || (t != DFK_Q4_0 && t != DFK_Q4_K)) return -1;
+        t = t == DFK_Q4_0 ? DFK_Q4_0_X8 : DFK_Q4_K_X8;
+    }
     const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
     if (!isa) return -2;
     if (!ok || n < 1 || n > DFK_MAX_ROWS || k < 1 || ncol < 1 || k % dfk_block_values(t) != 0 || !isa->takes(t, k))

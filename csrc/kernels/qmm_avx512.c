@@ -12,7 +12,7 @@ static inline __m512 two_scales(float a, float b) {
 
 static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
 
-static inline void dec_q4_0(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * b0 = row + (size_t) (2 * i) * 18, * b1 = b0 + 18;
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *) (b1 + 2)), _mm_loadu_si128((const __m128i *) (b0 + 2)));
@@ -23,7 +23,7 @@ static inline void dec_q4_0(const uint8_t * row, int64_t i, __m512i * q, __m512 
     *o = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
 }
 
-static inline void dec_q8_0(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * b0 = row + (size_t) (2 * i) * 34, * b1 = b0 + 34;
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (b0 + 2))),
                                          _mm256_loadu_si256((const __m256i *) (b1 + 2)), 1);
@@ -41,7 +41,7 @@ static inline void k4_scales(const uint8_t * blk, int c, __m512 * s, __m512 * o)
     *o = two_scales(-dmin * m0, -dmin * m1);
 }
 
-static inline void dec_q4_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 144;
     const int c = (int) (i % 4);
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -51,7 +51,7 @@ static inline void dec_q4_K(const uint8_t * row, int64_t i, __m512i * q, __m512 
     k4_scales(blk, c, s, o);
 }
 
-static inline void dec_q5_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 176;
     const int c = (int) (i % 4);
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -64,7 +64,7 @@ static inline void dec_q5_K(const uint8_t * row, int64_t i, __m512i * q, __m512 
     k4_scales(blk, c, s, o);
 }
 
-static inline void dec_q6_K(const uint8_t * row, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 210;
     const int j = (int) (i % 4), n = j / 2, p = j % 2;
     const __m512i L = _mm512_loadu_si512((const void *) (blk + 64 * n));
@@ -82,12 +82,47 @@ static inline void dec_q6_K(const uint8_t * row, int64_t i, __m512i * q, __m512 
     *o = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
 }
 
+
+/* X8 rows (qmm_common.h): `row` is the group's start, rr the row in it */
+static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * p0 = row + (size_t) (2 * i) * 144, * p1 = p0 + 144;
+    const uint8_t * a = p0 + 16 + 8 * rr, * b = p1 + 16 + 8 * rr;
+    uint64_t a0, a1, b0, b1;
+    memcpy(&a0, a, 8); memcpy(&a1, a + 64, 8); memcpy(&b0, b, 8); memcpy(&b1, b + 64, 8);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_xor_si256(_mm256_set_epi64x((long long) b1, (long long) b0, (long long) a1, (long long) a0),
+                                       _mm256_set1_epi8((char) 0x88));
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    *q = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+    *s = two_scales(h2f_at(p0 + 2 * rr), h2f_at(p1 + 2 * rr));
+    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+}
+
+static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * p = row + (size_t) (i / 4) * 1152;
+    const int c = (int) (i % 4);
+    const uint8_t * qs = p + 128 + 8 * rr + 256 * c;  /* pieces 4c .. 4c+3 of row rr: 64 bytes apart */
+    uint64_t v0, v1, v2, v3;
+    memcpy(&v0, qs, 8); memcpy(&v1, qs + 64, 8); memcpy(&v2, qs + 128, 8); memcpy(&v3, qs + 192, 8);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_set_epi64x((long long) v3, (long long) v2, (long long) v1, (long long) v0);
+    *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+    const float d = h2f_at(p + 2 * rr), dmin = h2f_at(p + 16 + 2 * rr);
+    uint8_t sc0, m0, sc1, m1;
+    scale_min_k4(rr, p + 32 + 12 * (2 * c), &sc0, &m0);
+    scale_min_k4(rr, p + 32 + 12 * (2 * c + 1), &sc1, &m1);
+    *s = two_scales(d * sc0, d * sc1);
+    *o = two_scales(-dmin * m0, -dmin * m1);
+}
+
 /* Activations (struct dfk_act): xq int8 values, one scale per 256 values (dxl[b]) so that it scales
  * a block's sum once instead of every lane product; per 4-value lane (xsl) the lane's integer sum
  * times minus the weight type's zero point (8, 128 or 32: the start of the lane's integer dot), or
  * for the types with float minima (Q4_K, Q5_K) the lane sum as a float. */
 static int zero_point(enum dfk_wtype t) {
-    return t == DFK_Q4_0 ? 8 : t == DFK_Q8_0 ? 128 : t == DFK_Q6_K ? 32 : 0;
+    return t == DFK_Q4_0 || t == DFK_Q4_0_X8 ? 8 : t == DFK_Q8_0 ? 128 : t == DFK_Q6_K ? 32 : 0;
 }
 
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
@@ -115,8 +150,8 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
 
 /* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N */
 #define FUSED_DOT(T, MINS, N)                                                                          \
-    static inline void fdot_##T##_##N(const uint8_t * row, const struct dfk_act * a, int r0, float * y, \
-                                      size_t y_stride) {                                               \
+    static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
+                                      float * y, size_t y_stride) {                                               \
         __m512 acc[N], blk[N];                                                                         \
         for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();                                      \
         const int64_t kp = a->kp, nch = a->k / 64;                                                     \
@@ -125,7 +160,7 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
             for (int64_t i = i0; i < i0 + 4 && i < nch; i++) {                                         \
                 __m512i qv;                                                                            \
                 __m512 sv, ov;                                                                         \
-                dec_##T(row, i, &qv, &sv, &ov);                                                        \
+                dec_##T(row, rr, i, &qv, &sv, &ov);                                                        \
                 for (int r = 0; r < N; r++) {                                                          \
                     const size_t ro = (size_t) (r0 + r);                                               \
                     const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));  \
@@ -153,34 +188,38 @@ static inline void prefetch_row(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
 
-#define FUSED_TYPE(T, MINS)                                                                            \
+#define FUSED_TYPE(T, MINS, X8)                                                                          \
     FUSED_DOT(T, MINS, 1) FUSED_DOT(T, MINS, 2) FUSED_DOT(T, MINS, 3) FUSED_DOT(T, MINS, 4)            \
     FUSED_DOT(T, MINS, 5) FUSED_DOT(T, MINS, 6) FUSED_DOT(T, MINS, 7) FUSED_DOT(T, MINS, 8)            \
     static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
                          float * y, size_t y_stride) {                                                 \
         for (int64_t c = c0; c < c1; c++) {                                                            \
-            const uint8_t * row = (const uint8_t *) w + (size_t) c * w_row;                            \
-            if (c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row);      \
+            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
+            const int rr = (int) (c & 7);                                                              \
+            if (!X8 && c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row); \
+            if (X8 && rr == 0 && c + 8 < c1) prefetch_row(row + 8 * w_row, 8 * w_row);                \
             for (int r0 = 0; r0 < a->n; r0 += 8) {                                                     \
                 switch (a->n - r0 >= 8 ? 8 : a->n - r0) {                                              \
-                case 1: fdot_##T##_1(row, a, r0, y + c, y_stride); break;                              \
-                case 2: fdot_##T##_2(row, a, r0, y + c, y_stride); break;                              \
-                case 3: fdot_##T##_3(row, a, r0, y + c, y_stride); break;                              \
-                case 4: fdot_##T##_4(row, a, r0, y + c, y_stride); break;                              \
-                case 5: fdot_##T##_5(row, a, r0, y + c, y_stride); break;                              \
-                case 6: fdot_##T##_6(row, a, r0, y + c, y_stride); break;                              \
-                case 7: fdot_##T##_7(row, a, r0, y + c, y_stride); break;                              \
-                default: fdot_##T##_8(row, a, r0, y + c, y_stride); break;                             \
+                case 1: fdot_##T##_1(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 2: fdot_##T##_2(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 3: fdot_##T##_3(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 4: fdot_##T##_4(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 5: fdot_##T##_5(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 6: fdot_##T##_6(row, rr, a, r0, y + c, y_stride); break;                              \
+                case 7: fdot_##T##_7(row, rr, a, r0, y + c, y_stride); break;                              \
+                default: fdot_##T##_8(row, rr, a, r0, y + c, y_stride); break;                             \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
     }
 
-FUSED_TYPE(q4_0, 0)
-FUSED_TYPE(q8_0, 0)
-FUSED_TYPE(q4_K, 1)
-FUSED_TYPE(q5_K, 1)
-FUSED_TYPE(q6_K, 0)
+FUSED_TYPE(q4_0, 0, 0)
+FUSED_TYPE(q8_0, 0, 0)
+FUSED_TYPE(q4_K, 1, 0)
+FUSED_TYPE(q5_K, 1, 0)
+FUSED_TYPE(q6_K, 0, 0)
+FUSED_TYPE(q4_0x8, 0, 1)
+FUSED_TYPE(q4_Kx8, 1, 1)
 
 static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
                    float * y, size_t y_stride, void * scratch) {
@@ -190,6 +229,8 @@ static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, i
     case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;
     case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;
     case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_0_X8: fmul_q4_0x8(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;
     default: break;
     }
 }

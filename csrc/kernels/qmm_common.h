@@ -33,4 +33,30 @@ static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * sc, uint8_t 
     }
 }
 
+
+/* Repacked (X8) groups: the standard block b of row r (0..7) of a group starting at g.  Q4_0x8: d[8],
+ * then the 8 rows' 16 bytes in 8-byte pieces (piece j of row r at 8 * (8j + r)), nibbles XOR 8;
+ * Q4_Kx8: d[8], dmin[8], scales[96] (sub-block j's 8 rows packed like one Q4_K's 12 bytes, at
+ * 12j), then the 8 rows' 128 bytes in 8-byte pieces likewise, unmodified. */
+static inline void x8_block_q4_0(const uint8_t * g, int64_t b, int r, blk_q4_0 * out) {
+    const uint8_t * p = g + (size_t) b * 144;
+    memcpy(&out->d, p + 2 * r, 2);
+    for (int j = 0; j < 2; j++)
+        for (int i = 0; i < 8; i++) out->qs[8 * j + i] = p[16 + 8 * (8 * j + r) + i] ^ 0x88;
+}
+
+static inline void x8_block_q4_K(const uint8_t * g, int64_t b, int r, blk_q4_K * out) {
+    const uint8_t * p = g + (size_t) b * 1152;
+    memcpy(&out->d, p + 2 * r, 2);
+    memcpy(&out->dmin, p + 16 + 2 * r, 2);
+    for (int j = 0; j < 16; j++) memcpy(out->qs + 8 * j, p + 128 + 8 * (8 * j + r), 8);
+    /* repack the 8 sub-blocks' (scale, min) of row r into a Q4_K's 12 bytes */
+    uint8_t sc[8], m[8];
+    for (int j = 0; j < 8; j++) scale_min_k4(r, p + 32 + 12 * j, &sc[j], &m[j]);
+    for (int j = 0; j < 4; j++) {
+        out->scales[j] = (uint8_t) ((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+        out->scales[j + 4] = (uint8_t) ((m[j] & 63) | ((m[j + 4] >> 4) << 6));
+        out->scales[j + 8] = (uint8_t) ((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+    }
+}
 #endif

@@ -163,8 +163,20 @@ static void mul(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int6
     float * o = s + kp / 4;
     memset(q + a->k, 0, (size_t) (kp - a->k));  /* the padding weighs nothing */
     for (int64_t l = a->k / 4; l < kp / 4; l++) { s[l] = 0.0f; o[l] = 0.0f; }
+    uint8_t * std_row = (uint8_t *) (o + kp / 4);  /* an X8 row gathered into the standard layout */
     for (int64_t c = c0; c < c1; c++) {
-        decode_row(t, (const char *) w + (size_t) c * w_row, a->k, q, s, o);
+        const uint8_t * row = (const uint8_t *) w + (size_t) c * w_row;
+        enum dfk_wtype ts = t;
+        if (t == DFK_Q4_0_X8 || t == DFK_Q4_K_X8) {
+            const uint8_t * g = (const uint8_t *) w + (size_t) (c & ~(int64_t) 7) * w_row;
+            for (int64_t b = 0; b < a->k / dfk_block_values(t); b++) {
+                if (t == DFK_Q4_0_X8) x8_block_q4_0(g, b, (int) (c & 7), (blk_q4_0 *) std_row + b);
+                else x8_block_q4_K(g, b, (int) (c & 7), (blk_q4_K *) std_row + b);
+            }
+            row = std_row;
+            ts = t == DFK_Q4_0_X8 ? DFK_Q4_0 : DFK_Q4_K;
+        }
+        decode_row(ts, row, a->k, q, s, o);
         float * yc = y + c;
         for (int r0 = 0; r0 < a->n; r0 += 8) {
             switch (a->n - r0 >= 8 ? 8 : a->n - r0) {
