@@ -281,6 +281,10 @@ void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
  * set this CPU lacks. */
 int32_t dflash_kernels_mul(const char * isa, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
                            int32_t n, float * y, int32_t n_threads);
+/* The machine's roofline on n_threads threads: read bandwidth in GB/s (a sum over `bytes` of memory)
+ * and G int8 multiply-adds per second with the kernels' dot instruction of `isa` (as above).
+ * bench/bench_kernels.py prints it beside the kernels' times.  -1: no such instruction set here. */
+int32_t dflash_kernels_roofline(const char * isa, int32_t n_threads, int64_t bytes, double * gbps, double * gmacs);
 /* The same product computed by ggml-cpu: the reference of the tests.  -1: failed. */
 int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t ncol, const float * x, int32_t n,
                                 float * y, int32_t n_threads);

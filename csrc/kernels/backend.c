@@ -337,3 +337,41 @@ int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t
     ggml_free(ctx);
     return rc;
 }
+
+/* The machine's roofline on n_threads threads: read bandwidth (GB/s, a sum over `bytes` of memory) and
+ * int8 multiply-adds per second (G) with the kernels' own dot instruction.  -1: no kernels here. */
+int32_t dflash_kernels_roofline(const char * isa_name, int32_t n_threads, int64_t bytes, double * gbps, double * gmacs) {
+    const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
+    if (!isa || bytes < 4096) return -1;
+    const int nth = n_threads > 0 ? n_threads : 1;
+    int64_t * buf = (int64_t *) aligned_alloc(64, (size_t) bytes);
+    if (!buf) return -1;
+    const int64_t n = bytes / 8;
+    for (int64_t i = 0; i < n; i++) buf[i] = i;  /* touched: the pages exist before the timing */
+    double best = 1e30;
+    int64_t sink = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = omp_get_wtime();
+        int64_t total = 0;
+        #pragma omp parallel for num_threads(nth) reduction(+ : total) schedule(static)
+        for (int64_t i = 0; i < n; i++) total += buf[i];
+        const double dt = omp_get_wtime() - t0;
+        sink += total;
+        if (dt < best) best = dt;
+    }
+    *gbps = (double) bytes / best / 1e9;
+    free(buf);
+    const int64_t per = (int64_t) 1 << 31;
+    best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = omp_get_wtime();
+        int64_t total = 0;
+        #pragma omp parallel num_threads(nth) reduction(+ : total)
+        total += isa->mac_loop(per);
+        const double dt = omp_get_wtime() - t0;
+        sink += total;
+        if (dt < best) best = dt;
+    }
+    *gmacs = (double) per * nth / best / 1e9 + (double) (sink & 1) * 1e-30;
+    return 0;
+}

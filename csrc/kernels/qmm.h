@@ -46,6 +46,8 @@ struct dfk_isa {
     /* y[r][c] for c in [c0, c1) and every row of a; scratch: dfk_scratch_size(kp) bytes */
     void (*mul)(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1,
                 const struct dfk_act * a, float * y, size_t y_stride, void * scratch);
+    /* int8 multiply-adds of this instruction set's dot, n of them, on the calling thread (roofline) */
+    int64_t (*mac_loop)(int64_t n);
 };
 
 size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's three arrays */

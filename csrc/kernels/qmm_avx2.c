@@ -25,6 +25,19 @@ static inline float dfk_vf_sum(__m256 v) {
 
 #include "qmm_impl.h"
 
-static const struct dfk_isa isa = { "avx2", takes, quantize_rows, mul };
+/* eight independent chains of the kernel's own dot (vpmaddubsw + vpmaddwd + add): 32 multiply-adds each */
+static int64_t mac_loop2(int64_t n) {
+    __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < n; i += 256)
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], dfk_dot(a, b));
+    __m256i t = acc[0];
+    for (int j = 1; j < 8; j++) t = _mm256_add_epi32(t, acc[j]);
+    int32_t v[8];
+    _mm256_storeu_si256((__m256i *) v, t);
+    return (int64_t) v[0] + v[7];
+}
+
+static const struct dfk_isa isa = { "avx2", takes, quantize_rows, mul, mac_loop2 };
 
 const struct dfk_isa * dfk_isa_avx2(void) { return &isa; }

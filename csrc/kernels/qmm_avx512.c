@@ -237,6 +237,17 @@ static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, i
 
 static bool takes512(enum dfk_wtype t, int64_t k) { return k % 64 == 0; }
 
-static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512 };
+/* eight independent vpdpbusd chains: 64 multiply-adds an instruction */
+static int64_t mac_loop512(int64_t n) {
+    __m512i acc[8], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < n; i += 512)
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+    __m512i t = acc[0];
+    for (int j = 1; j < 8; j++) t = _mm512_add_epi32(t, acc[j]);
+    return _mm512_reduce_add_epi32(t);
+}
+
+static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512, mac_loop512 };
 
 const struct dfk_isa * dfk_isa_avx512(void) { return &isa; }

@@ -82,6 +82,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_int(1, 1024), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="ggml's kernels for the target's small matrix products instead of ours "
+                        "(as LLAMA_DFLASH_KERNELS=0; for A/B runs)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -114,6 +117,7 @@ def _summary(label: str, s) -> str:
     line = (f"{label} ({s.mode}): {s.n_generated} tokens, {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
             f"accepted {s.accepted}/{s.drafted}, draft {s.t_draft_s * 1e3:.0f} ms, "
             f"verify {s.t_verify_s * 1e3:.0f} ms, other {s.t_other_s * 1e3:.0f} ms")
+    line += f"\n  target's small matrix products: {s.kernels}"
     if s.adaptive:
         line += (f"\n  adaptive: {s.plain_steps} of {s.steps} steps plain, verified draft lengths "
                  f"{dict(enumerate(s.lengths))}, predicted {s.t_predicted_s * 1e3:.0f} ms of draft + verify")
@@ -595,6 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     # Errors are reported by us, in one line; llama.cpp's log only on request.
     logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if a.verbose else logging.CRITICAL + 1)
+    if getattr(a, "no_kernels", False):
+        from ..core import kernels
+
+        kernels.set_enabled(False)
     try:
         return a.func(a)
     except (DFlashError, OSError, ValueError) as e:  # ConvertError is a ValueError

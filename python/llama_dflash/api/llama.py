@@ -24,6 +24,7 @@ import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ..core import exact as exact_mode
+from ..core import kernels as _kernels
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from ..core.group import EngineGroup
 from ..core.sampling import SamplingParams
@@ -63,7 +64,7 @@ _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).pa
 _CLOSED = "this Llama is closed (close() was called): create a new one"
 _BUDGET_SLACK = 8  # tokens a slot may run past a completion's max_tokens (a UTF-8 character's end)
 _OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
-            "grammar_aware_drafting", "exact", "parallel"}
+            "grammar_aware_drafting", "exact", "parallel", "kernels"}
 
 
 @dataclass
@@ -152,6 +153,10 @@ class Llama(llama_cpp.Llama):
     grammar allows none of them.
     speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
     optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
+    kernels: the small-batch kernels (docs/architecture.md §14) for the target's verify products:
+    True / False switch them on / off for the whole process (contexts created from then on; the
+    environment's ``LLAMA_DFLASH_KERNELS=0`` keeps them off from the start), None leaves them as
+    they are (on where this CPU runs them).
     parallel: requests served together (default 1: one at a time).  With more, ``view()`` hands
     out views of this model whose generations share one decode per step (each sequence's drafts
     verified in a joint batch, docs/architecture.md §5.10) -- a second context with ``parallel``
@@ -169,7 +174,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
                  draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "auto",
                  speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, parallel: int = 1,
-                 **kwargs) -> None:
+                 kernels: bool | None = None, **kwargs) -> None:
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
@@ -203,6 +208,10 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
         if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 64:
             raise ValueError(f"parallel must be an integer in 1..64, got {parallel!r}")
+        if kernels is not None and not isinstance(kernels, bool):
+            raise ValueError(f"kernels must be True, False or None, got {kernels!r}")
+        if kernels is not None:
+            _kernels.set_enabled(kernels)
         flash_attn = exact_mode.flash_attn_for(exact, kwargs.get("flash_attn"))
         if exact:
             kwargs["flash_attn"] = flash_attn

@@ -62,6 +62,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extras
     raise ImportError(f"llama_dflash.api.server needs llama-cpp-python's server extras ({e.name} is missing): "
                       "pip install fastapi uvicorn sse-starlette pydantic-settings starlette-context") from None
 
+from ..core import kernels as _kernels
 from .llama import Llama, openai_response_format
 
 
@@ -545,6 +546,12 @@ def metrics_text(worker: Worker | None = None) -> str:
             lines.append(f"# TYPE llama_dflash_position_{name}_total counter")
             lines += [f'llama_dflash_position_{name}_total{{position="{k + 1}"}} {round(v, 4)}'
                       for k, v in enumerate(vals_k)]
+    ks = _kernels.stats()  # which backend ran the target's small (verify) matrix products
+    lines += ["# TYPE llama_dflash_kernels_info gauge",
+              f'llama_dflash_kernels_info{{backend="{ks.backend}",status="{ks.status}"}} 1',
+              "# TYPE llama_dflash_kernel_products_total counter",
+              f"llama_dflash_kernel_products_total {ks.products}",
+              "# TYPE llama_dflash_kernel_rows_total counter", f"llama_dflash_kernel_rows_total {ks.rows}"]
     if worker is not None:
         lines.append("# TYPE llama_dflash_http_requests_total counter")
         lines += [f'llama_dflash_http_requests_total{{outcome="{k}"}} {v}' for k, v in worker.counts.items()]

@@ -57,3 +57,9 @@ def stats() -> KernelStats:
         status = f"kernels off ({ENV}=0)"
     return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
                        {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]})
+
+
+def describe() -> str:
+    """One line for stats and reports: which backend runs the target's small matrix products."""
+    s = stats()
+    return f"dflash {s.status[len('kernels on '):]}" if s.enabled else f"ggml: {s.status}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from . import kernels as _kernels
+
 
 class Acceptance:
     """tau and acceptance rate from steps / drafted / accepted counters."""
@@ -61,6 +63,7 @@ class SpecStats(Acceptance):
     lengths: list[int] = field(default_factory=list)  # steps by verified draft length (index 0: none)
     t_predicted_s: float = 0.0  # the cost model's prediction of t_draft_s + t_verify_s
     per_position_expected: list[float] = field(default_factory=list)  # calibrated acceptance per position
+    kernels: str = field(default_factory=lambda: _kernels.describe())  # who ran the small products
 
     @property
     def t_other_s(self) -> float:
