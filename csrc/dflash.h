@@ -251,7 +251,7 @@ int32_t dflash_capture_row_width(const dflash_capture * c);
  * -1 when libllama does not export what it needs (llama_context::get_sched). */
 int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
 
-/* ---- small-batch kernels (csrc/kernels, docs/architecture.md §14) ------- */
+/* ---- small-batch kernels (csrc/kernels, docs/architecture.md §13) ------- */
 
 /* A ggml ACCEL backend that takes the target's matrix products with 1..16 activation rows on
  * weights of type Q4_0, Q8_0, Q4_K, Q5_K or Q6_K in ggml's standard layout (repacked CPU weights and

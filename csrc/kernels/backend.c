@@ -1,5 +1,5 @@
 /*
- * A ggml backend of our own for the target's small matrix products (docs/architecture.md §14).
+ * A ggml backend of our own for the target's small matrix products (docs/architecture.md §13).
  *
  * Registered through ggml's public registry as an ACCEL device, it sits ahead of the CPU backend in
  * every llama_context created afterwards.  Its buffer type is the CPU's own, so llama.cpp places no

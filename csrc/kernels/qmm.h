@@ -1,5 +1,5 @@
 /*
- * Small-batch quantized matrix products for the target's verify batches (docs/architecture.md §14).
+ * Small-batch quantized matrix products for the target's verify batches (docs/architecture.md §13).
  *
  * y[r][c] = dot(W row c, x row r) for a handful of activation rows r, each weight block read once
  * for all of them.  Every weight type is decoded, block by block, into one canonical form: 8-bit

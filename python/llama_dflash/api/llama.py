@@ -153,7 +153,7 @@ class Llama(llama_cpp.Llama):
     grammar allows none of them.
     speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
     optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
-    kernels: the small-batch kernels (docs/architecture.md §14) for the target's verify products:
+    kernels: the small-batch kernels (docs/architecture.md §13) for the target's verify products:
     True / False switch them on / off for the whole process (contexts created from then on; the
     environment's ``LLAMA_DFLASH_KERNELS=0`` keeps them off from the start), None leaves them as
     they are (on where this CPU runs them).

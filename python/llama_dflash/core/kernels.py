@@ -1,4 +1,4 @@
-"""The small-batch kernels (csrc/kernels, docs/architecture.md §14): a ggml backend of our own that
+"""The small-batch kernels (csrc/kernels, docs/architecture.md §13): a ggml backend of our own that
 takes the target's matrix products of 1..16 rows, registered once per process before any model
 loads.  ``LLAMA_DFLASH_KERNELS=0`` in the environment keeps it unregistered (ggml's kernels
 everywhere, for A/B runs); :func:`set_enabled` switches it off and on for contexts' next graphs."""
