@@ -233,6 +233,37 @@ def test_file_errors(artifacts, tmp_path):
         convert_hf_to_gguf(sd, tgt, tmp_path / "o.gguf")
 
 
+@pytest.mark.parametrize("text,msg", [
+    ("[1, 2]", "expected a JSON object, got an array"),
+    ("null", "expected a JSON object, got null"),
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON (nested too deeply)"),
+], ids=["array", "null", "deep"])
+def test_cli_convert_config_not_an_object(tmp_path, capsys, text, msg):
+    """A config.json that parses but is no object, or nests past the json module's recursion
+    limit, is a one-line error (exit 2), not a traceback."""
+    from llama_dflash.api.cli import main
+
+    from models import TargetSpec, write_target
+
+    target = write_target(str(tmp_path / "t.gguf"), TargetSpec())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    for out in (["--outfile", str(tmp_path / "o.gguf")], ["--speculators", str(tmp_path / "spec")]):
+        assert main(["convert", str(tmp_path / "hf"), "--target", target, *out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("llama-dflash: error: ") and len(err.splitlines()) == 1, err
+        assert "config.json" in err and msg in err
+    # the same for a target given as a HF directory
+    hf, _, _ = make_variant(tmp_path, "v1_toplevel")
+    tdir = tmp_path / "target-hf"
+    tdir.mkdir()
+    (tdir / "config.json").write_text(text)
+    (tdir / "tokenizer.json").write_text("{}")
+    assert main(["convert", str(hf), "--target", str(tdir), "--outfile", str(tmp_path / "o.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and msg in err, err
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", *args], capture_output=True, text=True,
                           timeout=600)

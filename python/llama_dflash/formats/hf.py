@@ -76,12 +76,10 @@ def read_target_hf(d: Path) -> TargetInfo:
     for f in (cfg_path, tok_path):
         if not f.is_file():
             raise ConvertError(f"{d}: target HF directory has no {f.name}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-        tok = json.loads(tok_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{d}: unreadable target config or tokenizer ({e})") from None
+    cfg, tok = _read_json_object(cfg_path), _read_json_object(tok_path)
     text = cfg.get("text_config", cfg)
+    if not isinstance(text, dict):
+        raise ConvertError(f"{cfg_path}: text_config: not an object")
     for k in ("hidden_size", "num_hidden_layers"):
         if not isinstance(text.get(k), int):
             raise ConvertError(f"{cfg_path}: {k}: missing")
@@ -101,7 +99,7 @@ def read_target_hf(d: Path) -> TargetInfo:
         types[i] = (3 if added[i].get("special") else 4) if i in added else 1
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     tcfg_path = d / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    tcfg = _read_json_object(tcfg_path) if tcfg_path.is_file() else {}
 
     def special_id(key: str):
         v = tcfg.get(key)
@@ -135,15 +133,26 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
     return [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
 
 
+def _read_json_object(path: Path) -> dict:
+    """A JSON file whose top level must be an object (config.json, tokenizer.json)."""
+    try:
+        v = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:  # the json module recurses once per nesting level
+        raise ConvertError(f"{path}: invalid JSON (nested too deeply)") from None
+    if not isinstance(v, dict):
+        got = "null" if v is None else {list: "an array", str: "a string", bool: "a boolean"}.get(type(v), "a number")
+        raise ConvertError(f"{path}: expected a JSON object, got {got}")
+    return v
+
+
 def _read_config(d: Path) -> tuple[dict, Path]:
     """A HF checkpoint directory's config.json, parsed, and its path."""
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ConvertError(f"{d}: no config.json (not a HF checkpoint directory)")
-    try:
-        return json.loads(cfg_path.read_text()), cfg_path
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{cfg_path}: invalid JSON ({e})") from None
+    return _read_json_object(cfg_path), cfg_path
 
 
 SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
