@@ -163,3 +163,15 @@ def test_seed_minus_one_and_undecodable_paths_are_accepted(artifacts, tmp_path):
             "--temperature", "0.8", "--seed", "-1", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 4
+
+
+@pytest.mark.parametrize("missing", ["pydantic", "fastapi"])
+def test_serve_without_server_extras(missing):
+    """`llama-dflash serve` without the server extras says what to install, in one line (exit 2)."""
+    code = (f"import sys; sys.modules[{missing!r}] = None  # as if not installed\n"
+            "from llama_dflash.api.cli import main; sys.exit(main(['serve', '--help']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llama-dflash: error:"), r.stderr
+    assert f"{missing} is missing" in lines[0] and "pip install 'llama-dflash[server]'" in lines[0]

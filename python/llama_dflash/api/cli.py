@@ -593,8 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the server's own parser takes every argument after `serve`
-        from .server import main as server_main
-
+        try:
+            from .server import main as server_main
+        except ImportError as e:  # the server extras are not installed
+            print(f"llama-dflash: error: {e}", file=sys.stderr)
+            return 2
         return server_main(argv[1:])
     a = build_parser().parse_args(argv)
     # Errors are reported by us, in one line; llama.cpp's log only on request.

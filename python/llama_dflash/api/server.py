@@ -20,7 +20,7 @@ that no request is lost or cut and none reaches the model unchecked:
 
 Extra routes: Prometheus ``/metrics`` (queue, requests by outcome, tokens proposed / accepted /
 rejected, acceptance rate, tau, tokens/s) and ``/extras/speculative_stats`` (JSON).
-Needs the server extras: ``pip install fastapi uvicorn sse-starlette pydantic-settings starlette-context``.
+Needs the server extras: ``pip install 'llama-dflash[server]'``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from collections.abc import Callable
 from typing import Literal, Optional
 
 import llama_cpp
-from pydantic import Field, ValidationError
 
 try:
     import llama_cpp.server.model as _server_model
@@ -56,11 +55,12 @@ try:
         DetokenizeInputRequest,
         TokenizeInputRequest,
     )
+    from pydantic import Field, ValidationError
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
-except ImportError as e:  # pragma: no cover - exercised only without the extras
-    raise ImportError(f"llama_dflash.api.server needs llama-cpp-python's server extras ({e.name} is missing): "
-                      "pip install fastapi uvicorn sse-starlette pydantic-settings starlette-context") from None
+except ImportError as e:  # exercised by test_serve_without_server_extras
+    raise ImportError(f"the server needs the server extras ({e.name} is missing): "
+                      "pip install 'llama-dflash[server]'", name=e.name) from None
 
 from ..core import kernels as _kernels
 from .llama import Llama, openai_response_format
