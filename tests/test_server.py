@@ -176,6 +176,55 @@ def test_malformed_bodies_get_400_with_an_openai_error(server, path, body):
     assert "/" not in err["message"] and ".py" not in err["message"]  # no internal paths
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_deeply_nested_bodies_get_400(server, path):
+    """50,000 levels of nesting (past the json module's recursion limit): a 400 naming the cause,
+    not the 500 of an uncaught RecursionError."""
+    deep = b"[" * 50_000 + b"]" * 50_000
+    for body in (deep, b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b'{"prompt": "hi", "x": ' + deep + b"}"):
+        r = httpx.post(server["base"] + path, content=body, headers={"content-type": "application/json"},
+                       timeout=600)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "nested too deeply" in err["message"], err
+
+
+def _outcomes(base: str) -> dict[str, int]:
+    lines = httpx.get(base + "/metrics", timeout=60).text.splitlines()
+    return {ln.split('"')[1]: int(ln.split()[-1]) for ln in lines
+            if ln.startswith("llama_dflash_http_requests_total{")}
+
+
+def test_client_hanging_up_while_sending_the_body_leaves_no_traceback(server):
+    """A client that disconnects half-way through its body is counted as cancelled, quietly: no
+    ClientDisconnect traceback in the server's log; the next request is answered."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    base = server["base"]
+    host, port = base.removeprefix("http://").split(":")
+    before = _outcomes(base).get("cancelled", 0)
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 1000\r\n\r\n".encode() + b'{"prompt": "hi')
+                time.sleep(0.1)  # the server has the first part of the body when the client hangs up
+        for _ in range(100):
+            if _outcomes(base).get("cancelled", 0) >= before + 2:
+                break
+            time.sleep(0.05)
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.exc_info] == []
+    assert _outcomes(base).get("cancelled", 0) == before + 2
+    _complete(base, "Hello")
+
+
 @pytest.mark.parametrize("path,body,param", BAD_REQUESTS)
 def test_invalid_requests_get_400_before_the_model(server, path, body, param):
     for stream in (False, True):

@@ -58,6 +58,7 @@ try:
     from pydantic import Field, ValidationError
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 except ImportError as e:  # exercised by test_serve_without_server_extras
     raise ImportError(f"the server needs the server extras ({e.name} is missing): "
                       "pip install 'llama-dflash[server]'", name=e.name) from None
@@ -247,6 +248,13 @@ def _check_sampling(body) -> None:
 
 def parse_body(raw: bytes, kind: type):
     """The request body as ``kind`` (a llama-cpp-python request type), or a RequestError."""
+    try:
+        return _parse_body(raw, kind)
+    except RecursionError:  # json and the schema checks recurse once per nesting level
+        raise RequestError("the request body is nested too deeply") from None
+
+
+def _parse_body(raw: bytes, kind: type):
     if not raw.strip():
         raise RequestError("the request body is empty: send a JSON object")
     try:
@@ -668,6 +676,9 @@ def create_app(server_settings: ServerSettings | None = None, model_settings: li
         except RequestError as e:
             worker.count("client_error")
             return e.response()
+        except ClientDisconnect:  # hung up before the whole body came: nobody reads the answer
+            worker.count("cancelled")
+            return RequestError("the client disconnected while sending the request body").response()
         if exclude is None:
             def run(llm: Llama):
                 return call(llm, body)
