@@ -58,13 +58,14 @@ def test_products_match_ggml_and_are_batch_invariant(t):
             w = dequantize(raw, t).reshape(ncol, k).astype(np.float64)
             x = (rng.standard_normal((16, k)) * rng.uniform(0.1, 3.0, (16, 1))).astype(np.float32)
             x[3, :7] *= 40.0  # an outlier block
+            x[:, rng.choice(k, 3, replace=False)] *= 30.0  # outlier dimensions, as LLM hidden states have
             ref = x.astype(np.float64) @ w.T
             ours = product(lib.dflash_kernels_mul, t, raw, x, 2, isa)
             ggml = product(lib.dflash_kernels_mul_ggml, t, raw, x, 2, None)
             scale = np.abs(x).max(1, keepdims=True) * np.abs(w).sum(1)[None, :]
             err_ours, err_ggml = (np.abs(ours - ref) / scale).max(), (np.abs(ggml - ref) / scale).max()
-            # activations are quantized to 8 bits by both: within a small factor of ggml's own error
-            assert err_ours < 3.0 * err_ggml + 1e-6, (isa, k, ncol, err_ours, err_ggml)
+            # activations are quantized to 8 bits by both, in blocks as fine as ggml's: its error class
+            assert err_ours < 1.5 * err_ggml + 1e-6, (isa, k, ncol, err_ours, err_ggml)
             for n in range(1, 17):
                 for threads in (1, 2):
                     rows = product(lib.dflash_kernels_mul, t, raw, x[:n].copy(), threads, isa)

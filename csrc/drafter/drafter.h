@@ -67,9 +67,10 @@ struct dflash_drafter {
     int32_t * d2t_host;
     bool own_embd, own_head;
 
-    ggml_backend_t backends[2];
+    ggml_backend_t backends[3];    // the target head's GPU, or our small-batch kernels; then the CPU
     int n_backends;
-    bool fused_conv;               // DFlash2's conv as one CPU node (CPU alone; DFLASH_UNFUSED_CONV=1: ggml's ops)
+    bool gpu;                      // backends[0] is a GPU
+    bool fused_conv;               // DFlash2's conv as one CPU node (no GPU; DFLASH_UNFUSED_CONV=1: ggml's ops)
     ggml_backend_t cpu;
     ggml_backend_sched_t sched;
     void * meta_buf;

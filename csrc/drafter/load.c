@@ -2,6 +2,7 @@
 // format table (dflash_format.h), then bound to the target, whose embedding and
 // head it borrows unless the file has its own (docs/architecture.md §2.1, §4.4).
 #include "drafter.h"
+#include "kernels.h"
 
 #include "common.h"
 #include "llama_ext.h"
@@ -598,12 +599,16 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t_head->buffer));
         if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
     }
+    // on the CPU, the drafter's own small products (n + 1 rows) go to the kernels where they run
+    ggml_backend_t kern = main_be ? NULL : dflash_kernels_backend(n_threads > 0 ? n_threads : 1);
+    d->gpu = main_be != NULL;
     if (main_be) d->backends[d->n_backends++] = main_be;
+    if (kern) d->backends[d->n_backends++] = kern;
     d->backends[d->n_backends++] = d->cpu;
     ggml_backend_cpu_set_n_threads(d->cpu, n_threads > 0 ? n_threads : 1);
     // (the generic graph stays reachable on the CPU so that tests compare the two bit for bit)
     const char * unfused = getenv("DFLASH_UNFUSED_CONV");
-    d->fused_conv = d->n_backends == 1 && !(unfused && *unfused && strcmp(unfused, "0") != 0);
+    d->fused_conv = !d->gpu && !(unfused && *unfused && strcmp(unfused, "0") != 0);
     return true;
 }
 
@@ -611,7 +616,7 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
 // interleaved blocks for its multi-row kernels on AVX2, more types on ARM), when the drafter runs
 // on the CPU; NULL otherwise.
 static ggml_backend_buffer_type_t repack_buft(const struct dflash_drafter * d) {
-    if (d->backends[0] != d->cpu) return NULL;
+    if (d->gpu) return NULL;
     ggml_backend_dev_t dev = ggml_backend_get_device(d->cpu);
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : NULL;
     typedef ggml_backend_buffer_type_t * (*extra_bufts_fn)(ggml_backend_dev_t);

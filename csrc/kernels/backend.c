@@ -10,6 +10,7 @@
  */
 #include "dflash.h"
 #include "ggml_abi.h"
+#include "kernels.h"
 #include "qmm.h"
 
 #include "ggml-alloc.h"
@@ -272,6 +273,13 @@ int32_t dflash_kernels_register(char * err, size_t err_len) {
 }
 
 void dflash_kernels_set_enabled(bool on) { atomic_store(&g_enabled, on); }
+
+ggml_backend_t dflash_kernels_backend(int n_threads) {
+    if (!g_isa || !atomic_load(&g_enabled)) return NULL;
+    ggml_backend_t b = dev_init(&g_dev, NULL);
+    if (b) set_n_threads(b, n_threads);
+    return b;
+}
 
 void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
     memset(out, 0, sizeof(*out));

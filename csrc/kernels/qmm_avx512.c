@@ -117,29 +117,34 @@ static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m512i * 
     *o = two_scales(-dmin * m0, -dmin * m1);
 }
 
-/* Activations (struct dfk_act): xq int8 values, one scale per 256 values (dxl[b]) so that it scales
- * a block's sum once instead of every lane product; per 4-value lane (xsl) the lane's integer sum
- * times minus the weight type's zero point (8, 128 or 32: the start of the lane's integer dot), or
- * for the types with float minima (Q4_K, Q5_K) the lane sum as a float. */
+/* Activations (struct dfk_act): xq int8 values, scaled as ggml scales them for the type: per 32
+ * values for Q4_0 / Q8_0 (its Q8_0 activations; dxl holds the scale per 4-value lane), per 256 for
+ * the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a block's sum once instead of every
+ * lane product).  xsl per lane: the lane's integer sum times minus the type's zero point (8, 128,
+ * 32: the start of the lane's integer dot), or for the types with float minima (Q4_K, Q5_K) the
+ * lane sum as a float. */
 static int zero_point(enum dfk_wtype t) {
     return t == DFK_Q4_0 || t == DFK_Q4_0_X8 ? 8 : t == DFK_Q8_0 ? 128 : t == DFK_Q6_K ? 32 : 0;
 }
 
+static bool fine_scales(enum dfk_wtype t) { return t == DFK_Q4_0 || t == DFK_Q4_0_X8 || t == DFK_Q8_0; }
+
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
-    const int64_t k = a->k, kp = a->kp, zp = zero_point(t);
+    const int64_t k = a->k, kp = a->kp, zp = zero_point(t), bs = fine_scales(t) ? 32 : 256;
     for (int r = r0; r < r1; r++) {
         const float * xr = (const float *) ((const char *) x + (size_t) r * x_stride);
         int8_t * q = a->xq + (size_t) r * kp;
         float * xf = a->xsl + (size_t) r * (kp / 4);
         int32_t * xc = (int32_t *) xf;
         float * dx = a->dxl + (size_t) r * (kp / 4);
-        for (int64_t b = 0; b < (kp + 255) / 256; b++) {
-            const int64_t j0 = 256 * b, j1 = j0 + 256 < k ? j0 + 256 : k, p1 = j0 + 256 < kp ? j0 + 256 : kp;
+        for (int64_t b = 0; b < (kp + bs - 1) / bs; b++) {
+            const int64_t j0 = bs * b, j1 = j0 + bs < k ? j0 + bs : k, p1 = j0 + bs < kp ? j0 + bs : kp;
             float amax = 0.0f;
             for (int64_t j = j0; j < j1; j++) amax = fmaxf(amax, fabsf(xr[j]));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            dx[b] = amax / 127.0f;
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int64_t j = j0; j < p1; j++) q[j] = j < k ? (int8_t) nearbyintf(xr[j] * id) : 0;
+            if (bs == 32) for (int64_t l = j0 / 4; l < p1 / 4; l++) dx[l] = d;
+            else dx[b] = d;
             for (int64_t l = j0 / 4; l < p1 / 4; l++) {
                 const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
                 if (zp) xc[l] = (int32_t) -zp * sum; else xf[l] = (float) sum;
@@ -148,10 +153,11 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
     }
 }
 
-/* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N */
-#define FUSED_DOT(T, MINS, N)                                                                          \
+/* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  FINE: a scale
+ * per 32 activations (one multiply more a lane); MINS: float minima (one multiply-add more). */
+#define FUSED_DOT(T, MINS, FINE, N)                                                                    \
     static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
-                                      float * y, size_t y_stride) {                                               \
+                                      float * y, size_t y_stride) {                                    \
         __m512 acc[N], blk[N];                                                                         \
         for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();                                      \
         const int64_t kp = a->kp, nch = a->k / 64;                                                     \
@@ -160,7 +166,7 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
             for (int64_t i = i0; i < i0 + 4 && i < nch; i++) {                                         \
                 __m512i qv;                                                                            \
                 __m512 sv, ov;                                                                         \
-                dec_##T(row, rr, i, &qv, &sv, &ov);                                                        \
+                dec_##T(row, rr, i, &qv, &sv, &ov);                                                    \
                 for (int r = 0; r < N; r++) {                                                          \
                     const size_t ro = (size_t) (r0 + r);                                               \
                     const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));  \
@@ -171,12 +177,14 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
                         blk[r] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xl), blk[r]);                     \
                     } else {                                                                           \
                         const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *) xl), qv, xv); \
-                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                   \
+                        const __m512 sd = FINE ? _mm512_mul_ps(sv, _mm512_loadu_ps(a->dxl + ro * (kp / 4) + 16 * i)) : sv; \
+                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, blk[r]);                   \
                     }                                                                                  \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < N; r++)                                                                \
-                acc[r] = _mm512_fmadd_ps(blk[r], _mm512_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + i0 / 4]), acc[r]); \
+                acc[r] = FINE ? _mm512_add_ps(acc[r], blk[r])                                          \
+                              : _mm512_fmadd_ps(blk[r], _mm512_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + i0 / 4]), acc[r]); \
         }                                                                                              \
         for (int r = 0; r < N; r++)                                                                    \
             *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = _mm512_reduce_add_ps(acc[r]);     \
@@ -188,9 +196,10 @@ static inline void prefetch_row(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
 
-#define FUSED_TYPE(T, MINS, X8)                                                                          \
-    FUSED_DOT(T, MINS, 1) FUSED_DOT(T, MINS, 2) FUSED_DOT(T, MINS, 3) FUSED_DOT(T, MINS, 4)            \
-    FUSED_DOT(T, MINS, 5) FUSED_DOT(T, MINS, 6) FUSED_DOT(T, MINS, 7) FUSED_DOT(T, MINS, 8)            \
+#define FUSED_TYPE(T, MINS, FINE, X8)                                                                          \
+    FUSED_DOT(T, MINS, FINE, 1) FUSED_DOT(T, MINS, FINE, 2) FUSED_DOT(T, MINS, FINE, 3)                \
+    FUSED_DOT(T, MINS, FINE, 4) FUSED_DOT(T, MINS, FINE, 5) FUSED_DOT(T, MINS, FINE, 6)                \
+    FUSED_DOT(T, MINS, FINE, 7) FUSED_DOT(T, MINS, FINE, 8)                                            \
     static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
                          float * y, size_t y_stride) {                                                 \
         for (int64_t c = c0; c < c1; c++) {                                                            \
@@ -213,13 +222,13 @@ static inline void prefetch_row(const uint8_t * p, size_t n) {
         }                                                                                              \
     }
 
-FUSED_TYPE(q4_0, 0, 0)
-FUSED_TYPE(q8_0, 0, 0)
-FUSED_TYPE(q4_K, 1, 0)
-FUSED_TYPE(q5_K, 1, 0)
-FUSED_TYPE(q6_K, 0, 0)
-FUSED_TYPE(q4_0x8, 0, 1)
-FUSED_TYPE(q4_Kx8, 1, 1)
+FUSED_TYPE(q4_0, 0, 1, 0)
+FUSED_TYPE(q8_0, 0, 1, 0)
+FUSED_TYPE(q4_K, 1, 0, 0)
+FUSED_TYPE(q5_K, 1, 0, 0)
+FUSED_TYPE(q6_K, 0, 0, 0)
+FUSED_TYPE(q4_0x8, 0, 1, 1)
+FUSED_TYPE(q4_Kx8, 1, 0, 1)
 
 static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
                    float * y, size_t y_stride, void * scratch) {

@@ -556,7 +556,7 @@ def metrics_text(worker: Worker | None = None) -> str:
                       for k, v in enumerate(vals_k)]
     ks = _kernels.stats()  # which backend ran the target's small (verify) matrix products
     lines += ["# TYPE llama_dflash_kernels_info gauge",
-              f'llama_dflash_kernels_info{{backend="{ks.backend}",status="{ks.status}"}} 1',
+              f'llama_dflash_kernels_info{{backend="{ks.backend}",isa="{ks.isa}"}} 1',
               "# TYPE llama_dflash_kernel_products_total counter",
               f"llama_dflash_kernel_products_total {ks.products}",
               "# TYPE llama_dflash_kernel_rows_total counter", f"llama_dflash_kernel_rows_total {ks.rows}"]

@@ -27,6 +27,11 @@ class KernelStats:
     by_rows: dict[int, int] = field(default_factory=dict)  # products by activation rows
 
     @property
+    def isa(self) -> str:
+        """The instruction set the kernels run ("avx512vnni", "avx2"), "" when they are off."""
+        return self.status[len("kernels on ("):-1] if self.enabled and self.status.startswith("kernels on (") else ""
+
+    @property
     def backend(self) -> str:
         """Which backend runs the target's small products: "dflash" or "ggml"."""
         return "dflash" if self.enabled else "ggml"
