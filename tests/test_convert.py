@@ -209,6 +209,18 @@ def test_tensor_errors(artifacts, tmp_path):
         convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
 
 
+def test_tensor_names_are_escaped_in_errors(artifacts, tmp_path):
+    """Checkpoint tensor names with control characters are quoted escaped, on one line."""
+    cfg = VARIANTS["v1_toplevel"][0]
+    t = hf_tensors(cfg)
+    t["layers.0.evil\n\x1b[31mred"] = np.zeros(3, np.float32)
+    d = write_checkpoint(tmp_path / "evil", cfg, t)
+    with pytest.raises(ConvertError) as e:
+        convert_hf_to_gguf(d, artifacts["llama"]["target"], tmp_path / "o.gguf")
+    assert "unexpected tensor 'layers.0.evil\\n\\x1b[31mred'" in str(e.value)
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+
+
 def test_file_errors(artifacts, tmp_path):
     tgt = artifacts["llama"]["target"]
     d, _, _ = make_variant(tmp_path, "v1_toplevel")

@@ -60,6 +60,25 @@ def test_unsupported_variants(llama, tmp_path, extra, msg):
         SpeculativeGenerator(llama["target"], p)
 
 
+def test_file_supplied_names_are_escaped_in_messages(llama, tmp_path, capsys):
+    """A tensor name with control characters is quoted escaped, on one line: it cannot split a
+    message or drive the terminal."""
+    from llama_dflash.api.cli import main
+
+    cfg = drafter_config(llama["spec"])
+    t = random_drafter_tensors(cfg)
+    t["blk.0.evil\n\x1b[31mred"] = np.ones(64, np.float32)
+    p = tmp_path / "v.gguf"
+    write_drafter(p, cfg, t, llama["target"])
+    with pytest.raises(DFlashError) as e:
+        SpeculativeGenerator(llama["target"], p)
+    assert "unsupported tensor 'blk.0.evil\\n\\x1b[31mred'" in str(e.value)
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+    assert main(["inspect", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and "evil\\n\\x1b[31mred" in err, err
+
+
 def test_missing_tensor_and_bad_shape(llama, tmp_path):
     cfg = drafter_config(llama["spec"])
     t = random_drafter_tensors(cfg)

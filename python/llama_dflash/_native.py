@@ -17,6 +17,8 @@ import cffi
 import llama_cpp  # (imported first: it loads the libllama the core binds to)
 from llama_cpp import _logger
 
+from .errors import printable
+
 _HERE = Path(__file__).resolve().parent
 
 
@@ -52,7 +54,8 @@ def _find(name: str) -> Path:
 
 ffi = cffi.FFI()
 ffi.cdef(_cdef_from_header(_find("dflash.h").read_text()))
-lib = ffi.dlopen(str(_find("libdflash.so")))
+lib_path = str(_find("libdflash.so"))
+lib = ffi.dlopen(lib_path)
 
 ERR_LEN = 512
 
@@ -63,7 +66,8 @@ def err_buf():
 
 
 def err_str(buf) -> str:
-    return ffi.string(buf).decode("utf-8", "replace") or "unknown error"
+    # the core's messages quote tensor names and strings from the files it reads
+    return printable(ffi.string(buf).decode("utf-8", "replace")) or "unknown error"
 
 
 def ptr(ctype: str, ctypes_obj) -> object:

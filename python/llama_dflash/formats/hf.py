@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from .._native import lib
-from ..errors import DFlashError
+from ..errors import DFlashError, printable
 from .check import check_drafter
 from .config import DrafterConfig
 from .gguf import TensorSource, copy_tokenizer, write_drafter
@@ -447,7 +447,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
         g = gguf_name(name)
         row = table().tensor(g) if g else None
         if row is None or (row[0].need == "V2" and version == 1):
-            raise ConvertError(f"{t.file}: unexpected tensor '{name}' for a {cfg['architectures'][0]}")
+            raise ConvertError(f"{t.file}: unexpected tensor '{printable(name)}' for a {cfg['architectures'][0]}")
         if g in mapped:
             raise ConvertError(f"{t.file}: tensor '{name}' duplicates '{mapped[g].name}'")
         mapped[g] = t

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import printable
+
 _DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8),
            # id maps of reduced-vocabulary drafters (d2t offsets, t2d masks)
            "I64": (np.int64, 8), "I32": (np.int32, 4), "BOOL": (np.bool_, 1)}
@@ -86,13 +88,14 @@ def read_header(path: str | os.PathLike) -> dict[str, LazyTensor]:
         try:
             dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{p}: corrupt safetensors header (entry '{name}')") from None
+            raise SafetensorsError(f"{p}: corrupt safetensors header (entry '{printable(name)}')") from None
         if dtype not in _DTYPES:
-            raise SafetensorsError(f"{p}: tensor '{name}' has unsupported dtype {dtype} (f32, f16, bf16, f64, ids)")
+            raise SafetensorsError(f"{p}: tensor '{printable(name)}' has unsupported dtype "
+                                   f"{printable(str(dtype))} (f32, f16, bf16, f64, ids)")
         want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype][1]
         if e - b != want or b < 0 or base + e > size:
-            raise SafetensorsError(f"{p}: tensor '{name}' data ({b}..{e}) does not match its shape {list(shape)} "
-                                   f"or lies outside the file")
+            raise SafetensorsError(f"{p}: tensor '{printable(name)}' data ({b}..{e}) does not match its shape "
+                                   f"{list(shape)} or lies outside the file")
         out[name] = LazyTensor(p, name, dtype, shape, base + b, e - b)
     return out
 
@@ -114,7 +117,7 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> dict[str, LazyTensor]:
             if fn in ("", ".", "..") or "/" in fn or "\\" in fn or "\0" in fn:
                 raise SafetensorsError(f"{index}: shard name {fn!r} is not a file name in {d}")
             if not (d / fn).is_file():
-                raise SafetensorsError(f"{index}: shard '{fn}' is missing")
+                raise SafetensorsError(f"{index}: shard '{printable(fn)}' is missing")
     else:
         files = sorted(f.name for f in d.glob("*.safetensors"))
         if not files:
@@ -123,12 +126,13 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> dict[str, LazyTensor]:
     for fn in files:
         for name, t in read_header(d / fn).items():
             if name in tensors:
-                raise SafetensorsError(f"{d / fn}: tensor '{name}' appears in two shards")
+                raise SafetensorsError(f"{d / fn}: tensor '{printable(name)}' appears in two shards")
             tensors[name] = t
     if index.is_file():
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
-            raise SafetensorsError(f"{index}: lists tensors not found in the shards: {', '.join(missing[:5])}")
+            raise SafetensorsError(f"{index}: lists tensors not found in the shards: "
+                                   f"{printable(', '.join(missing[:5]))}")
     return tensors
 
 
