@@ -498,3 +498,24 @@ def test_two_threads_on_one_model_are_served_one_after_the_other(pair):
     for t in threads:
         t.join(timeout=120)
     assert not errors and [got[i] for i in range(4)] == want
+
+
+def test_unlimited_max_tokens_run_to_llama_cpps_context(artifacts):
+    """max_tokens None or <= 0 generate up to llama.cpp's context (n_ctx raised to its floor:
+    256 positions for n_ctx 96), as llama-cpp-python's completions do, not to the n_ctx asked for."""
+    a = artifacts["llama"]
+    base = llama_cpp.Llama(a["target"], n_ctx=96, verbose=False)
+    spec = llama_dflash.Llama(a["target"], n_ctx=96, verbose=False, draft_model_path=a["drafter"], speculation="on",
+                              draft_n_max=3)
+    try:
+        assert spec.n_ctx() == base.n_ctx() > 96
+        prompt = base.tokenize(" ".join(PROMPTS * 8).encode())[:90]  # (fewer tokens to generate)
+        want = base.create_completion(prompt, max_tokens=None, temperature=0.0)
+        for max_tokens in (None, 0, -1):
+            got = spec.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+            assert got["usage"] == want["usage"] and got["usage"]["total_tokens"] > 96, max_tokens
+            assert got["choices"][0] == want["choices"][0], max_tokens
+            assert spec.last_speculative_stats.drafted > 0
+    finally:
+        spec.close()
+        base.close()

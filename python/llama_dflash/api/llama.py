@@ -249,6 +249,11 @@ class Llama(llama_cpp.Llama):
         self.speculative_stats_total = SpeculativeTotals()
         if self._core is None:
             return
+        if len(self.input_ids) < self.n_ctx():
+            # llama.cpp raised n_ctx to its floor: llama-cpp-python's completions run to that context
+            # (max_tokens None or <= 0 included), so the token buffer it sized by the n_ctx asked for
+            # grows to hold it
+            self.input_ids = np.resize(self.input_ids, self.n_ctx())
         self._core.attach(self._ctx.ctx)
         self._unavailable = self._core.unavailable
         limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
@@ -496,7 +501,7 @@ class Llama(llama_cpp.Llama):
 
     def _usable_ctx(self) -> int:
         """Positions a generation may use: llama.cpp's context, the drafter's, and the base class's
-        token buffers (sized by the n_ctx asked for, which llama.cpp may have raised to its floor)."""
+        token buffer (grown to llama.cpp's context at load)."""
         return min(self.n_ctx(), self._core.n_ctx, len(self.input_ids))
 
     def _sampling(self, a: dict, seed: int) -> SamplingParams:
