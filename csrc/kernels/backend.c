@@ -37,8 +37,6 @@ struct kctx {
     int n_threads;
     void * act;
     size_t act_size;
-    void * scratch;
-    size_t scratch_size;
 };
 
 static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
@@ -99,21 +97,20 @@ static bool grow(void ** p, size_t * have, size_t need) {
     return *p != NULL;
 }
 
-/* y = x . W^T for the n rows of x over threads: rows quantized in parallel, then columns split. */
+/* y = x . W^T for the n rows of x, the columns split over threads. */
 static void run(const struct dfk_isa * isa, enum dfk_wtype t, const void * w, size_t w_row, int64_t k, int64_t ncol,
-                const float * x, size_t x_stride, int n, float * y, size_t y_stride, int nth, void * act, void * scratch) {
+                const float * x, size_t x_stride, int n, float * y, size_t y_stride, int nth, void * act) {
     const int64_t kp = (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK;
     struct dfk_act a = { k, kp, n, (int8_t *) act, NULL, NULL };
     a.dxl = (float *) (a.xq + (size_t) n * kp);
     a.xsl = a.dxl + (size_t) n * (kp / 4);
+    /* a few rows: quantized by the calling thread, so the team meets only once, at the end */
+    isa->quantize(t, x, x_stride, &a, 0, n);
     #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int r0 = n * ith / nt, r1 = n * (ith + 1) / nt;
-        if (r1 > r0) isa->quantize(t, x, x_stride, &a, r0, r1);
-        #pragma omp barrier
         const int64_t per = (ncol + nt - 1) / nt, c0 = per * ith, c1 = c0 + per < ncol ? c0 + per : ncol;
-        if (c1 > c0) isa->mul(t, w, w_row, c0, c1, &a, y, y_stride, (char *) scratch + dfk_scratch_size(kp) * (size_t) ith);
+        if (c1 > c0) isa->mul(t, w, w_row, c0, c1, &a, y, y_stride);
     }
 }
 
@@ -127,10 +124,9 @@ static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
     const int64_t k = w->ne[0], ncol = w->ne[1];
     int nth = c->n_threads > 0 ? c->n_threads : 1;
     if (ncol * k < 65536) nth = 1;  /* too small to be worth waking a thread */
-    if (!grow(&c->act, &c->act_size, dfk_act_size(padded(k), n)) ||
-        !grow(&c->scratch, &c->scratch_size, dfk_scratch_size(padded(k)) * (size_t) nth)) return GGML_STATUS_ALLOC_FAILED;
+    if (!grow(&c->act, &c->act_size, dfk_act_size(padded(k), n))) return GGML_STATUS_ALLOC_FAILED;
     run(g_isa, t, w->data, w->nb[1], k, ncol, (const float *) x->data, x->nb[1], n, (float *) op->data, op->nb[1],
-        nth, c->act, c->scratch);
+        nth, c->act);
     atomic_fetch_add(&g_products, 1);
     atomic_fetch_add(&g_rows, n);
     atomic_fetch_add(&g_by_rows[n], 1);
@@ -143,7 +139,6 @@ static const char * be_name(ggml_backend_t b) { return "DFLASH"; }
 static void be_free(ggml_backend_t b) {
     struct kctx * c = (struct kctx *) b->context;
     free(c->act);
-    free(c->scratch);
     free(c);
     free(b);
 }
@@ -243,8 +238,9 @@ int32_t dflash_kernels_register(char * err, size_t err_len) {
         const char * v = ggml_version();
         if (!v || strcmp(v, DFLASH_GGML_VERSION) != 0)
             snprintf(g_status, sizeof(g_status), "kernels off: libggml %s, built for %s", v ? v : "?", DFLASH_GGML_VERSION);
-        else if (!(g_isa = dfk_isa_best()))
-            snprintf(g_status, sizeof(g_status), "kernels off: this CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C");
+        else if (!(g_isa = dfk_isa_by_name(getenv("LLAMA_DFLASH_KERNELS_ISA"))))  /* unset: the best */
+            snprintf(g_status, sizeof(g_status), "kernels off: this CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
+                     " (or not the instruction set LLAMA_DFLASH_KERNELS_ISA names)");
         done = -1;
         if (g_isa) {
             g_dev.iface.get_name = dev_name;
@@ -305,16 +301,12 @@ int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, 
         return -1;
     const int nth = n_threads > 0 ? n_threads : 1;
     const size_t w_row = (size_t) (k / dfk_block_values(t)) * dfk_block_bytes(t);
-    void * act = NULL, * scratch = NULL;
-    size_t ha = 0, hs = 0;
-    int32_t rc = -1;
-    if (grow(&act, &ha, dfk_act_size(padded(k), n)) && grow(&scratch, &hs, dfk_scratch_size(padded(k)) * (size_t) nth)) {
-        run(isa, t, w, w_row, k, ncol, x, (size_t) k * sizeof(float), n, y, (size_t) ncol * sizeof(float), nth, act, scratch);
-        rc = 0;
-    }
+    void * act = NULL;
+    size_t have = 0;
+    if (!grow(&act, &have, dfk_act_size(padded(k), n))) return -1;
+    run(isa, t, w, w_row, k, ncol, x, (size_t) k * sizeof(float), n, y, (size_t) ncol * sizeof(float), nth, act);
     free(act);
-    free(scratch);
-    return rc;
+    return 0;
 }
 
 /* The same product by ggml-cpu (a one-node graph): the reference the tests hold the kernels to. */

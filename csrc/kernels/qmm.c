@@ -5,8 +5,6 @@
 
 size_t dfk_act_size(int64_t kp, int n) { return (size_t) n * (size_t) kp * 3; }
 
-size_t dfk_scratch_size(int64_t kp) { return (size_t) kp * 3 + (size_t) kp * 9 / 16 + 128; }  /* + a standard row */
-
 int64_t dfk_block_values(enum dfk_wtype t) {
     return t == DFK_Q4_0 || t == DFK_Q8_0 || t == DFK_Q4_0_X8 ? 32 : 256;
 }

@@ -26,8 +26,8 @@ enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_Q4_0_X8, 
 #define DFK_MAX_ROWS 16  /* activation rows one product takes */
 #define DFK_CHUNK 64     /* values per step of the widest kernel: rows are padded to a multiple */
 
-/* Quantized activation rows: xq [n][kp] int8 and two arrays of [n][kp/4] floats whose meaning is the
- * instruction set's own (qmm_impl.h: per lane the block scale and scale * lane sum). */
+/* Quantized activation rows: xq [n][kp] int8, and per 4-value lane dxl (scales) and xsl (sums):
+ * qmm_common.h, dfk_quantize. */
 struct dfk_act {
     int64_t k, kp;
     int     n;
@@ -43,15 +43,14 @@ struct dfk_isa {
     bool (*takes)(enum dfk_wtype t, int64_t k);
     /* quantize rows [r0, r1) of x (row stride in bytes) into a, for weights of type t */
     void (*quantize)(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1);
-    /* y[r][c] for c in [c0, c1) and every row of a; scratch: dfk_scratch_size(kp) bytes */
+    /* y[r][c] for c in [c0, c1) and every row of a */
     void (*mul)(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1,
-                const struct dfk_act * a, float * y, size_t y_stride, void * scratch);
+                const struct dfk_act * a, float * y, size_t y_stride);
     /* int8 multiply-adds of this instruction set's dot, n of them, on the calling thread (roofline) */
     int64_t (*mac_loop)(int64_t n);
 };
 
 size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's three arrays */
-size_t dfk_scratch_size(int64_t kp);               /* bytes of one thread's scratch */
 int64_t dfk_block_values(enum dfk_wtype t);         /* values per weight block */
 size_t  dfk_block_bytes(enum dfk_wtype t);          /* bytes per weight block */
 

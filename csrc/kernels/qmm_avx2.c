@@ -1,36 +1,203 @@
-/* qmm.h's kernels for AVX2 (vpmaddubsw + vpmaddwd: four u8 x s8 products a lane).  Q8_0 weights stay
- * signed: |w| x sign(x, w) keeps vpmaddubsw's 16-bit pair sums from saturating. */
+/* qmm.h's kernels for AVX2 (vpmaddubsw + vpmaddwd: four u8 x s8 products a lane): weight rows decoded
+ * 32 values (one 32-value block or sub-block) at a time in registers into qmm.h's canonical form.
+ * Q8_0 weights stay signed: |w| x sign(x, w) keeps vpmaddubsw's 16-bit pair sums from saturating
+ * (the other types' values are at most 63). */
 #include <immintrin.h>
 
-typedef __m256i dfk_vi;
-typedef __m256 dfk_vf;
-#define DFK_VW 32
-#define DFK_SIGNED_Q8 1
-#define dfk_vi_load(p) _mm256_loadu_si256((const __m256i *) (p))
-#define dfk_vf_load(p) _mm256_loadu_ps(p)
-#define dfk_vf_zero() _mm256_setzero_ps()
-#define dfk_vf_mul(a, b) _mm256_mul_ps(a, b)
-#define dfk_vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define dfk_vf_cvt(a) _mm256_cvtepi32_ps(a)
-/* |q| x sign(x, q): right for the signed Q8_0 values and for the other types' 0..63 alike */
-#define dfk_dot(q, x) \
-    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1))
+#include "qmm_common.h"
 
-static inline float dfk_vf_sum(__m256 v) {
+static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
+
+static inline __m256i nibbles(__m128i v) {  /* 16 bytes -> their 16 low then 16 high nibbles */
+    const __m128i m4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+}
+
+static inline __m256i half_nibbles(__m256i v, int high) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, m4);
+}
+
+/* decoders: chunk i (values 32i .. 32i+31) of a weight row -> q, scale s and offset o (8 lanes);
+ * X8 rows: `row` is the group's start, rr the row in it */
+static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * b = row + (size_t) i * 18;
+    *q = nibbles(_mm_loadu_si128((const __m128i *) (b + 2)));
+    *s = _mm256_set1_ps(h2f_at(b));
+}
+
+static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * p = row + (size_t) i * 144;
+    uint64_t lo, hi;
+    memcpy(&lo, p + 16 + 8 * rr, 8);
+    memcpy(&hi, p + 16 + 64 + 8 * rr, 8);
+    *q = nibbles(_mm_xor_si128(_mm_set_epi64x((long long) hi, (long long) lo), _mm_set1_epi8((char) 0x88)));
+    *s = _mm256_set1_ps(h2f_at(p + 2 * rr));
+}
+
+static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * b = row + (size_t) i * 34;
+    *q = _mm256_loadu_si256((const __m256i *) (b + 2));
+    *s = _mm256_set1_ps(h2f_at(b));
+}
+
+static inline void k4_scale(const uint8_t * scales, int j, float d, float dmin, __m256 * s, __m256 * o) {
+    uint8_t sc, m;
+    scale_min_k4(j, scales, &sc, &m);
+    *s = _mm256_set1_ps(d * sc);
+    *o = _mm256_set1_ps(-dmin * m);
+}
+
+static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * blk = row + (size_t) (i / 8) * 144;
+    const int j = (int) (i % 8);
+    *q = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 16 + 32 * (j / 2))), j & 1);
+    k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
+}
+
+static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * p = row + (size_t) (i / 8) * 1152;
+    const int j = (int) (i % 8), c = j / 2;
+    const uint8_t * qs = p + 128 + 8 * rr + 256 * c;  /* pieces 4c .. 4c+3 of row rr: 64 bytes apart */
+    uint64_t v0, v1, v2, v3;
+    memcpy(&v0, qs, 8); memcpy(&v1, qs + 64, 8); memcpy(&v2, qs + 128, 8); memcpy(&v3, qs + 192, 8);
+    *q = half_nibbles(_mm256_set_epi64x((long long) v3, (long long) v2, (long long) v1, (long long) v0), j & 1);
+    k4_scale(p + 32 + 12 * j, rr, h2f_at(p + 2 * rr), h2f_at(p + 16 + 2 * rr), s, o);
+}
+
+static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * blk = row + (size_t) (i / 8) * 176;
+    const int j = (int) (i % 8);
+    const __m256i low = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 48 + 32 * (j / 2))), j & 1);
+    const __m256i h = _mm256_loadu_si256((const __m256i *) (blk + 16));
+    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4);
+    *q = _mm256_or_si256(low, hb);
+    k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
+}
+
+static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * blk = row + (size_t) (i / 8) * 210;
+    const int j = (int) (i % 8), n = j / 4, p = j % 4;
+    const __m256i low = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 64 * n + 32 * (p & 1))), p >= 2);
+    const __m256i h = _mm256_loadu_si256((const __m256i *) (blk + 128 + 32 * n));
+    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * p), _mm256_set1_epi8(3)), 4);
+    *q = _mm256_or_si256(low, hb);
+    const int8_t * sc = (const int8_t *) (blk + 192 + 8 * n + 2 * p);  /* value v of the half: sc[v / 16] */
+    const float d = h2f_at(blk + 208);
+    *s = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+}
+
+static inline __m256i dot_u8(__m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+}
+
+static inline __m256i dot_s8(__m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+}
+
+static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-#include "qmm_impl.h"
+/* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  ZP: the type's
+ * zero point enters the integer dot from the activations' lane sums; SIGNED: Q8_0's sign trick;
+ * MINS: float minima; FINE: a scale per 32 activations, else per 256 (a block's sum scaled once). */
+#define FUSED_DOT(T, ZP, SIGNED, MINS, FINE, N)                                                        \
+    static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
+                                      float * y, size_t y_stride) {                                    \
+        __m256 acc[N], blk[N];                                                                         \
+        for (int r = 0; r < N; r++) acc[r] = _mm256_setzero_ps();                                      \
+        const int64_t kp = a->kp, nch = a->k / 32;                                                     \
+        for (int64_t i0 = 0; i0 < nch; i0 += 8) {                                                      \
+            for (int r = 0; r < N; r++) blk[r] = _mm256_setzero_ps();                                  \
+            for (int64_t i = i0; i < i0 + 8 && i < nch; i++) {                                         \
+                __m256i qv;                                                                            \
+                __m256 sv, ov = _mm256_setzero_ps();                                                   \
+                dec_##T(row, rr, i, &qv, &sv, &ov);                                                    \
+                for (int r = 0; r < N; r++) {                                                          \
+                    const size_t ro = (size_t) (r0 + r);                                               \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->xq + ro * kp + 32 * i)); \
+                    const float * xl = a->xsl + ro * (kp / 4) + 8 * i;                                 \
+                    __m256i d = SIGNED ? dot_s8(qv, xv) : dot_u8(qv, xv);                              \
+                    if (ZP) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *) xl));         \
+                    const __m256 sd = FINE ? _mm256_mul_ps(sv, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * i])) : sv; \
+                    blk[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, blk[r]);                       \
+                    if (MINS) blk[r] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xl), blk[r]);               \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < N; r++)                                                                \
+                acc[r] = FINE ? _mm256_add_ps(acc[r], blk[r])                                          \
+                              : _mm256_fmadd_ps(blk[r], _mm256_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + i0 / 8]), acc[r]); \
+        }                                                                                              \
+        for (int r = 0; r < N; r++)                                                                    \
+            *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = hsum(acc[r]);                     \
+    }
 
-/* eight independent chains of the kernel's own dot (vpmaddubsw + vpmaddwd + add): 32 multiply-adds each */
+#define DFK_PREFETCH_ROWS 2
+static inline void prefetch_row(const uint8_t * p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
+}
+
+/* four rows at a time: sixteen registers hold four accumulators, four block sums and the decoded chunk */
+#define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE, X8)                                                      \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
+    static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
+                         float * y, size_t y_stride) {                                                 \
+        for (int64_t c = c0; c < c1; c++) {                                                            \
+            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
+            const int rr = (int) (c & 7);                                                              \
+            if (!X8 && c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row); \
+            if (X8 && rr == 0 && c + 8 < c1) prefetch_row(row + 8 * w_row, 8 * w_row);                \
+            for (int r0 = 0; r0 < a->n; r0 += 4) {                                                     \
+                switch (a->n - r0 >= 4 ? 4 : a->n - r0) {                                              \
+                case 1: fdot_##T##_1(row, rr, a, r0, y + c, y_stride); break;                          \
+                case 2: fdot_##T##_2(row, rr, a, r0, y + c, y_stride); break;                          \
+                case 3: fdot_##T##_3(row, rr, a, r0, y + c, y_stride); break;                          \
+                default: fdot_##T##_4(row, rr, a, r0, y + c, y_stride); break;                         \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+/*         type    ZP SIGNED MINS FINE X8 */
+FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)
+FUSED_TYPE(q8_0,   0, 1,     0,   1,   0)
+FUSED_TYPE(q4_K,   0, 0,     1,   0,   0)
+FUSED_TYPE(q5_K,   0, 0,     1,   0,   0)
+FUSED_TYPE(q6_K,   1, 0,     0,   0,   0)
+FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
+FUSED_TYPE(q4_Kx8, 0, 0,     1,   0,   1)
+
+static void mul2(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
+                 float * y, size_t y_stride) {
+    switch (t) {
+    case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_0_X8: fmul_q4_0x8(w, w_row, c0, c1, a, y, y_stride); break;
+    case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;
+    default: break;
+    }
+}
+
+static void quantize2(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
+    dfk_quantize(t, false, x, x_stride, a, r0, r1);
+}
+
+static bool takes2(enum dfk_wtype t, int64_t k) { return k % 32 == 0; }
+
+/* eight independent chains of the kernel's own dot: 32 multiply-adds each */
 static int64_t mac_loop2(int64_t n) {
     __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256();
     for (int64_t i = 0; i < n; i += 256)
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], dfk_dot(a, b));
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], dot_u8(a, b));
     __m256i t = acc[0];
     for (int j = 1; j < 8; j++) t = _mm256_add_epi32(t, acc[j]);
     int32_t v[8];
@@ -38,6 +205,6 @@ static int64_t mac_loop2(int64_t n) {
     return (int64_t) v[0] + v[7];
 }
 
-static const struct dfk_isa isa = { "avx2", takes, quantize_rows, mul, mac_loop2 };
+static const struct dfk_isa isa = { "avx2", takes2, quantize2, mul2, mac_loop2 };
 
 const struct dfk_isa * dfk_isa_avx2(void) { return &isa; }

@@ -117,40 +117,8 @@ static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m512i * 
     *o = two_scales(-dmin * m0, -dmin * m1);
 }
 
-/* Activations (struct dfk_act): xq int8 values, scaled as ggml scales them for the type: per 32
- * values for Q4_0 / Q8_0 (its Q8_0 activations; dxl holds the scale per 4-value lane), per 256 for
- * the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a block's sum once instead of every
- * lane product).  xsl per lane: the lane's integer sum times minus the type's zero point (8, 128,
- * 32: the start of the lane's integer dot), or for the types with float minima (Q4_K, Q5_K) the
- * lane sum as a float. */
-static int zero_point(enum dfk_wtype t) {
-    return t == DFK_Q4_0 || t == DFK_Q4_0_X8 ? 8 : t == DFK_Q8_0 ? 128 : t == DFK_Q6_K ? 32 : 0;
-}
-
-static bool fine_scales(enum dfk_wtype t) { return t == DFK_Q4_0 || t == DFK_Q4_0_X8 || t == DFK_Q8_0; }
-
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
-    const int64_t k = a->k, kp = a->kp, zp = zero_point(t), bs = fine_scales(t) ? 32 : 256;
-    for (int r = r0; r < r1; r++) {
-        const float * xr = (const float *) ((const char *) x + (size_t) r * x_stride);
-        int8_t * q = a->xq + (size_t) r * kp;
-        float * xf = a->xsl + (size_t) r * (kp / 4);
-        int32_t * xc = (int32_t *) xf;
-        float * dx = a->dxl + (size_t) r * (kp / 4);
-        for (int64_t b = 0; b < (kp + bs - 1) / bs; b++) {
-            const int64_t j0 = bs * b, j1 = j0 + bs < k ? j0 + bs : k, p1 = j0 + bs < kp ? j0 + bs : kp;
-            float amax = 0.0f;
-            for (int64_t j = j0; j < j1; j++) amax = fmaxf(amax, fabsf(xr[j]));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t j = j0; j < p1; j++) q[j] = j < k ? (int8_t) nearbyintf(xr[j] * id) : 0;
-            if (bs == 32) for (int64_t l = j0 / 4; l < p1 / 4; l++) dx[l] = d;
-            else dx[b] = d;
-            for (int64_t l = j0 / 4; l < p1 / 4; l++) {
-                const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
-                if (zp) xc[l] = (int32_t) -zp * sum; else xf[l] = (float) sum;
-            }
-        }
-    }
+    dfk_quantize(t, true, x, x_stride, a, r0, r1);
 }
 
 /* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  FINE: a scale
@@ -231,7 +199,7 @@ FUSED_TYPE(q4_0x8, 0, 1, 1)
 FUSED_TYPE(q4_Kx8, 1, 0, 1)
 
 static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
-                   float * y, size_t y_stride, void * scratch) {
+                   float * y, size_t y_stride) {
     switch (t) {
     case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;
     case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;

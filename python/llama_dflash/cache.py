@@ -25,11 +25,18 @@ def file_id(path: str | os.PathLike) -> list:
 
 
 def build_id() -> list:
-    """The llama.cpp build the kernels come from: llama-cpp-python's version and its libllama."""
+    """The builds the kernels come from: llama-cpp-python's version and its libllama, our libdflash,
+    and which backend runs the target's small products now (measured costs and exactness verdicts
+    hold for that combination only)."""
     import llama_cpp
 
+    from . import _native
+    from .core import kernels
+
     lib = Path(llama_cpp.__file__).parent / "lib" / "libllama.so"
-    return [llama_cpp.__version__, *(file_id(lib)[1:] if lib.exists() else [0, 0])]
+    ours = Path(_native.lib_path)
+    return [llama_cpp.__version__, *(file_id(lib)[1:] if lib.exists() else [0, 0]),
+            *(file_id(ours)[1:] if ours.exists() else [0, 0]), kernels.describe()]
 
 
 def key_of(*parts: Any) -> str:
