@@ -271,7 +271,7 @@ struct dflash_kernel_stats {
     char    status[160];       /* one line: on (which instruction set) or why off */
     int64_t products;          /* matrix products computed since the process started */
     int64_t rows;              /* activation rows in them */
-    int64_t by_rows[17];       /* products by activation rows (1..16) */
+    int64_t by_rows[17];       /* products by activation rows (1..16; [16]: 16 and more) */
 };
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard

@@ -11,6 +11,7 @@
 #include "dflash.h"
 #include "ggml_abi.h"
 #include "kernels.h"
+#include "llama_ext.h"
 #include "qmm.h"
 
 #include "ggml-alloc.h"
@@ -18,6 +19,7 @@
 #include "ggml.h"
 
 #include <omp.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +31,11 @@
 #endif
 
 static const struct dfk_isa * g_isa;
+/* weight buffers whose products the kernels take at every row count (dflash_kernels_all_rows) */
+#define DFK_MAX_ALL_ROWS 64
+static ggml_backend_buffer_t g_all_rows[DFK_MAX_ALL_ROWS];
+static int g_n_all_rows;
+static pthread_mutex_t g_all_rows_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool g_enabled = true;
 static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1];
 static char g_status[160] = "not registered";
@@ -71,6 +78,27 @@ static bool weight_type(const struct ggml_tensor * w, enum dfk_wtype * t) {
     return false;
 }
 
+static bool all_rows(ggml_backend_buffer_t b) {
+    pthread_mutex_lock(&g_all_rows_lock);
+    bool found = false;
+    for (int i = 0; i < g_n_all_rows && !found; i++) found = g_all_rows[i] == b;
+    pthread_mutex_unlock(&g_all_rows_lock);
+    return found;
+}
+
+void dflash_kernels_all_rows(const struct llama_model * model, bool on) {
+    ggml_backend_buffer_t bufs[16];
+    const int32_t n = dflash_model_weight_buffers(model, bufs, 16);
+    pthread_mutex_lock(&g_all_rows_lock);
+    for (int32_t j = 0; j < n; j++) {
+        int i = 0;
+        while (i < g_n_all_rows && g_all_rows[i] != bufs[j]) i++;
+        if (on && i == g_n_all_rows && g_n_all_rows < DFK_MAX_ALL_ROWS) g_all_rows[g_n_all_rows++] = bufs[j];
+        if (!on && i < g_n_all_rows) g_all_rows[i] = g_all_rows[--g_n_all_rows];
+    }
+    pthread_mutex_unlock(&g_all_rows_lock);
+}
+
 /* The products this backend takes; the scheduler asks with the weight's buffer set. */
 static bool takes(const struct ggml_tensor * op) {
     if (!g_isa || !atomic_load(&g_enabled) || op->op != GGML_OP_MUL_MAT) return false;
@@ -80,7 +108,7 @@ static bool takes(const struct ggml_tensor * op) {
     if (w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
     if (w->nb[0] != ggml_type_size(w->type) || w->nb[1] != ggml_row_size(w->type, w->ne[0])) return false;
     const int64_t n = act_rows(x);
-    if (n < 1 || n > DFK_MAX_ROWS) return false;
+    if (n < 1 || (n > DFK_MAX_ROWS && !all_rows(w->buffer))) return false;
     /* activation rows evenly strided, f32 values contiguous; the output likewise */
     if (x->ne[0] != w->ne[0] || x->nb[0] != sizeof(float) || x->nb[2] != x->nb[1] * x->ne[1] ||
         x->nb[3] != x->nb[2] * x->ne[2]) return false;
@@ -129,7 +157,7 @@ static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
         nth, c->act);
     atomic_fetch_add(&g_products, 1);
     atomic_fetch_add(&g_rows, n);
-    atomic_fetch_add(&g_by_rows[n], 1);
+    atomic_fetch_add(&g_by_rows[n < DFK_MAX_ROWS ? n : DFK_MAX_ROWS], 1);
     return GGML_STATUS_SUCCESS;
 }
 /* backend */
