@@ -136,32 +136,20 @@ static inline float hsum(__m256 v) {
             *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = hsum(acc[r]);                     \
     }
 
-#define DFK_PREFETCH_ROWS 2
-static inline void prefetch_row(const uint8_t * p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
-}
-
 /* four rows at a time: sixteen registers hold four accumulators, four block sums and the decoded chunk */
 #define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE, X8)                                                      \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
-    static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
-                         float * y, size_t y_stride) {                                                 \
-        for (int64_t c = c0; c < c1; c++) {                                                            \
-            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
-            const int rr = (int) (c & 7);                                                              \
-            if (!X8 && c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row); \
-            if (X8 && rr == 0 && c + 8 < c1) prefetch_row(row + 8 * w_row, 8 * w_row);                \
-            for (int r0 = 0; r0 < a->n; r0 += 4) {                                                     \
-                switch (a->n - r0 >= 4 ? 4 : a->n - r0) {                                              \
-                case 1: fdot_##T##_1(row, rr, a, r0, y + c, y_stride); break;                          \
-                case 2: fdot_##T##_2(row, rr, a, r0, y + c, y_stride); break;                          \
-                case 3: fdot_##T##_3(row, rr, a, r0, y + c, y_stride); break;                          \
-                default: fdot_##T##_4(row, rr, a, r0, y + c, y_stride); break;                         \
-                }                                                                                      \
-            }                                                                                          \
+    static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
+                                float * y, size_t y_stride) {                                          \
+        switch (m) {                                                                                   \
+        case 1: fdot_##T##_1(row, rr, a, r0, y, y_stride); break;                                      \
+        case 2: fdot_##T##_2(row, rr, a, r0, y, y_stride); break;                                      \
+        case 3: fdot_##T##_3(row, rr, a, r0, y, y_stride); break;                                      \
+        default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
-    }
+    }                                                                                                  \
+    DFK_FMUL(T, X8, 4)
 
 /*         type    ZP SIGNED MINS FINE X8 */
 FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)
@@ -172,19 +160,7 @@ FUSED_TYPE(q6_K,   1, 0,     0,   0,   0)
 FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
 FUSED_TYPE(q4_Kx8, 0, 0,     1,   0,   1)
 
-static void mul2(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
-                 float * y, size_t y_stride) {
-    switch (t) {
-    case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_0_X8: fmul_q4_0x8(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;
-    default: break;
-    }
-}
+DFK_MUL(mul2)
 
 static void quantize2(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
     dfk_quantize(t, false, x, x_stride, a, r0, r1);

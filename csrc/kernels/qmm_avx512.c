@@ -158,37 +158,24 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
             *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = _mm512_reduce_add_ps(acc[r]);     \
     }
 
-/* the hardware prefetcher alone falls behind once a row's products take more than a few cycles */
-#define DFK_PREFETCH_ROWS 2
-static inline void prefetch_row(const uint8_t * p, size_t n) {
-    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
-}
-
-#define FUSED_TYPE(T, MINS, FINE, X8)                                                                          \
+#define FUSED_TYPE(T, MINS, FINE, X8)                                                                  \
     FUSED_DOT(T, MINS, FINE, 1) FUSED_DOT(T, MINS, FINE, 2) FUSED_DOT(T, MINS, FINE, 3)                \
     FUSED_DOT(T, MINS, FINE, 4) FUSED_DOT(T, MINS, FINE, 5) FUSED_DOT(T, MINS, FINE, 6)                \
     FUSED_DOT(T, MINS, FINE, 7) FUSED_DOT(T, MINS, FINE, 8)                                            \
-    static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
-                         float * y, size_t y_stride) {                                                 \
-        for (int64_t c = c0; c < c1; c++) {                                                            \
-            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
-            const int rr = (int) (c & 7);                                                              \
-            if (!X8 && c + DFK_PREFETCH_ROWS < c1) prefetch_row(row + DFK_PREFETCH_ROWS * w_row, w_row); \
-            if (X8 && rr == 0 && c + 8 < c1) prefetch_row(row + 8 * w_row, 8 * w_row);                \
-            for (int r0 = 0; r0 < a->n; r0 += 8) {                                                     \
-                switch (a->n - r0 >= 8 ? 8 : a->n - r0) {                                              \
-                case 1: fdot_##T##_1(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 2: fdot_##T##_2(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 3: fdot_##T##_3(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 4: fdot_##T##_4(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 5: fdot_##T##_5(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 6: fdot_##T##_6(row, rr, a, r0, y + c, y_stride); break;                              \
-                case 7: fdot_##T##_7(row, rr, a, r0, y + c, y_stride); break;                              \
-                default: fdot_##T##_8(row, rr, a, r0, y + c, y_stride); break;                             \
-                }                                                                                      \
-            }                                                                                          \
+    static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
+                                float * y, size_t y_stride) {                                          \
+        switch (m) {                                                                                   \
+        case 1: fdot_##T##_1(row, rr, a, r0, y, y_stride); break;                                      \
+        case 2: fdot_##T##_2(row, rr, a, r0, y, y_stride); break;                                      \
+        case 3: fdot_##T##_3(row, rr, a, r0, y, y_stride); break;                                      \
+        case 4: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                      \
+        case 5: fdot_##T##_5(row, rr, a, r0, y, y_stride); break;                                      \
+        case 6: fdot_##T##_6(row, rr, a, r0, y, y_stride); break;                                      \
+        case 7: fdot_##T##_7(row, rr, a, r0, y, y_stride); break;                                      \
+        default: fdot_##T##_8(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
-    }
+    }                                                                                                  \
+    DFK_FMUL(T, X8, 8)
 
 FUSED_TYPE(q4_0, 0, 1, 0)
 FUSED_TYPE(q8_0, 0, 1, 0)
@@ -198,19 +185,7 @@ FUSED_TYPE(q6_K, 0, 0, 0)
 FUSED_TYPE(q4_0x8, 0, 1, 1)
 FUSED_TYPE(q4_Kx8, 1, 0, 1)
 
-static void mul512(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
-                   float * y, size_t y_stride) {
-    switch (t) {
-    case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_0_X8: fmul_q4_0x8(w, w_row, c0, c1, a, y, y_stride); break;
-    case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;
-    default: break;
-    }
-}
+DFK_MUL(mul512)
 
 static bool takes512(enum dfk_wtype t, int64_t k) { return k % 64 == 0; }
 

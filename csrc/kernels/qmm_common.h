@@ -96,4 +96,41 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
     }
 }
 
+
+/* the hardware prefetcher alone falls behind once a row's products take more than a few cycles */
+#define DFK_PREFETCH_ROWS 2
+static inline void dfk_prefetch(const uint8_t * p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
+}
+
+/* A type's kernel over weight rows [c0, c1): each row (X8: its group's start and its place in it)
+ * against every activation row, GROUP rows at a time through fdot_T(m, ...) for m <= GROUP rows. */
+#define DFK_FMUL(T, X8, GROUP)                                                                         \
+    static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
+                         float * y, size_t y_stride) {                                                 \
+        for (int64_t c = c0; c < c1; c++) {                                                            \
+            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
+            const int rr = (int) (c & 7);                                                              \
+            if (!X8 && c + DFK_PREFETCH_ROWS < c1) dfk_prefetch(row + DFK_PREFETCH_ROWS * w_row, w_row); \
+            if (X8 && rr == 0 && c + 8 < c1) dfk_prefetch(row + 8 * w_row, 8 * w_row);                 \
+            for (int r0 = 0; r0 < a->n; r0 += GROUP)                                                   \
+                fdot_##T(a->n - r0 >= GROUP ? GROUP : a->n - r0, row, rr, a, r0, y + c, y_stride);     \
+        }                                                                                              \
+    }
+
+/* the type switch of an instruction set's mul, over the fmul_T its FUSED_TYPEs define */
+#define DFK_MUL(NAME)                                                                                  \
+    static void NAME(enum dfk_wtype t, const void * w, size_t w_row, int64_t c0, int64_t c1,           \
+                     const struct dfk_act * a, float * y, size_t y_stride) {                           \
+        switch (t) {                                                                                   \
+        case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q4_0_X8: fmul_q4_0x8(w, w_row, c0, c1, a, y, y_stride); break;                        \
+        case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;                        \
+        default: break;                                                                                \
+        }                                                                                              \
+    }
 #endif
