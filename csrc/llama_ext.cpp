@@ -6,7 +6,7 @@
 #include "llama_ext.h"
 
 #include "dflash.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 

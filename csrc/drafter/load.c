@@ -2,7 +2,7 @@
 // format table (dflash_format.h), then bound to the target, whose embedding and
 // head it borrows unless the file has its own (docs/architecture.md §2.1, §4.4).
 #include "drafter.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #include "common.h"
 #include "llama_ext.h"
