@@ -137,7 +137,7 @@ static void run(const struct dfk_isa * isa, enum dfk_wtype t, const void * w, si
     #pragma omp parallel num_threads(nth) if (nth > 1)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t per = (ncol + nt - 1) / nt, c0 = per * ith, c1 = c0 + per < ncol ? c0 + per : ncol;
+        const int64_t per = ((ncol + nt - 1) / nt + 7) & ~(int64_t) 7, c0 = per * ith, c1 = c0 + per < ncol ? c0 + per : ncol;
         if (c1 > c0) isa->mul(t, w, w_row, c0, c1, &a, y, y_stride);
     }
 }

@@ -182,9 +182,65 @@ FUSED_TYPE(q8_0, 0, 1, 0)
 FUSED_TYPE(q4_K, 1, 0, 0)
 FUSED_TYPE(q5_K, 1, 0, 0)
 FUSED_TYPE(q6_K, 0, 0, 0)
-FUSED_TYPE(q4_0x8, 0, 1, 1)
 FUSED_TYPE(q4_Kx8, 1, 0, 1)
 
+/* Q4_0 repacked (X8): the 8 rows of a group at once, in the order ggml-cpu interleaved them.  A
+ * block's 8-byte pieces j = 0, 1 of the 8 rows fill one vector each; a row's int32 lanes 2r, 2r+1
+ * take the activations' 8 values of that piece broadcast to every row, so one vpdpbusd serves 8
+ * rows.  The zero point (8) enters through the lanes' activation sums; the scale is the row's d
+ * times the activation block's.  Per (activation row, weight row) the order is fixed: the blocks
+ * in turn, four dots into one int32 pair, a pair sum at the end. */
+static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_act * a, int r0, int n, float * y,
+                              size_t y_stride) {
+    __m512 acc[8];
+    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m512i m4 = _mm512_set1_epi8(15), x88 = _mm512_set1_epi8((char) 0x88);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t * p = g + (size_t) b * 144;
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p))));
+        const __m512i A = _mm512_xor_si512(_mm512_loadu_si512((const void *) (p + 16)), x88);
+        const __m512i B = _mm512_xor_si512(_mm512_loadu_si512((const void *) (p + 80)), x88);
+        const __m512i alo = _mm512_and_si512(A, m4), ahi = _mm512_and_si512(_mm512_srli_epi16(A, 4), m4);
+        const __m512i blo = _mm512_and_si512(B, m4), bhi = _mm512_and_si512(_mm512_srli_epi16(B, 4), m4);
+        for (int r = 0; r < n; r++) {
+            const size_t ro = (size_t) (r0 + r);
+            const int8_t * x = a->xq + ro * kp + 32 * b;
+            const int32_t * xc = (const int32_t *) a->xsl + ro * (kp / 4) + 8 * b;
+            const int64_t c0 = (int64_t) (uint32_t) (xc[0] + xc[2] + xc[4] + xc[6]);
+            const int64_t c1 = (int64_t) (uint32_t) (xc[1] + xc[3] + xc[5] + xc[7]);
+            int64_t q[4];
+            memcpy(q, x, 32);
+            __m512i d = _mm512_set1_epi64(c0 | (c1 << 32));
+            d = _mm512_dpbusd_epi32(d, alo, _mm512_set1_epi64(q[0]));
+            d = _mm512_dpbusd_epi32(d, blo, _mm512_set1_epi64(q[1]));
+            d = _mm512_dpbusd_epi32(d, ahi, _mm512_set1_epi64(q[2]));
+            d = _mm512_dpbusd_epi32(d, bhi, _mm512_set1_epi64(q[3]));
+            const __m512 sd = _mm512_mul_ps(dw, _mm512_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
+        }
+    }
+    const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int r = 0; r < n; r++) {
+        const __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));  /* lane 2k + lane 2k+1 */
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride),
+                         _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, s)));
+    }
+}
+
+static void fmul_q4_0x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
+                             float * y, size_t y_stride) {
+    for (int64_t c = c0; c < c1; c += 8) {  /* c0, c1: multiples of 8 (run() splits columns so) */
+        const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
+        if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);
+        for (int r0 = 0; r0 < a->n; r0 += 8)
+            x8dot_q4_0(g, a->k / 32, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
+    }
+}
+
+#define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 DFK_MUL(mul512)
 
 static bool takes512(enum dfk_wtype t, int64_t k) { return k % 64 == 0; }
