@@ -161,6 +161,7 @@ FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
 FUSED_TYPE(q4_Kx8, 0, 0,     1,   0,   1)
 
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8
+#define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8
 DFK_MUL(mul2)
 
 static void quantize2(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {

@@ -182,7 +182,16 @@ FUSED_TYPE(q8_0, 0, 1, 0)
 FUSED_TYPE(q4_K, 1, 0, 0)
 FUSED_TYPE(q5_K, 1, 0, 0)
 FUSED_TYPE(q6_K, 0, 0, 0)
-FUSED_TYPE(q4_Kx8, 1, 0, 1)
+
+/* a group's 8 outputs per activation row: lane 2k + lane 2k+1 */
+static inline void x8_store(const __m512 * acc, int n, int r0, float * y, size_t y_stride) {
+    const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int r = 0; r < n; r++) {
+        const __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride),
+                         _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, s)));
+    }
+}
 
 /* Q4_0 repacked (X8): the 8 rows of a group at once, in the order ggml-cpu interleaved them.  A
  * block's 8-byte pieces j = 0, 1 of the 8 rows fill one vector each; a row's int32 lanes 2r, 2r+1
@@ -222,12 +231,7 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
         }
     }
-    const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (int r = 0; r < n; r++) {
-        const __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));  /* lane 2k + lane 2k+1 */
-        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride),
-                         _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, s)));
-    }
+    x8_store(acc, n, r0, y, y_stride);
 }
 
 static void fmul_q4_0x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
@@ -240,7 +244,78 @@ static void fmul_q4_0x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c
     }
 }
 
+
+/* Q4_K repacked (X8), 8 rows at once likewise: a superblock's pieces j = 0..15 (8 bytes of each row)
+ * hold sub-block 2(j/4) in their low nibbles and 2(j/4)+1 in their high ones; per sub-block the
+ * rows' scales and minima (lanes 2r, 2r+1) are decoded once for every activation row, and the
+ * activation block's scale multiplies the superblock's sum once. */
+static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_act * a, int r0, int n, float * y,
+                              size_t y_stride) {
+    __m512 acc[8];
+    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t * p = g + (size_t) sb * 1152;
+        float scv[8][16], mnv[8][16];  /* per sub-block: d * scale (both lanes of a row), -dmin * min (even lane) */
+        for (int r = 0; r < 8; r++) {
+            const float d = h2f_at(p + 2 * r), dmin = h2f_at(p + 16 + 2 * r);
+            for (int sub = 0; sub < 8; sub++) {
+                uint8_t sc, m;
+                scale_min_k4(r, p + 32 + 12 * sub, &sc, &m);
+                scv[sub][2 * r] = scv[sub][2 * r + 1] = d * sc;
+                mnv[sub][2 * r] = -dmin * m;
+                mnv[sub][2 * r + 1] = 0.0f;
+            }
+        }
+        __m512 blk[8];
+        for (int r = 0; r < n; r++) blk[r] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            __m512i lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *) (p + 128 + 64 * (4 * c + j)));
+                lo[j] = _mm512_and_si512(v, m4);
+                hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            const __m512 sc0 = _mm512_loadu_ps(scv[2 * c]), sc1 = _mm512_loadu_ps(scv[2 * c + 1]);
+            const __m512 mn0 = _mm512_loadu_ps(mnv[2 * c]), mn1 = _mm512_loadu_ps(mnv[2 * c + 1]);
+            for (int r = 0; r < n; r++) {
+                const size_t ro = (size_t) (r0 + r);
+                const int8_t * x = a->xq + ro * kp + 256 * sb + 64 * c;
+                const float * xs = a->xsl + ro * (kp / 4) + 64 * sb + 16 * c;  /* lane sums, as floats */
+                int64_t q[8];
+                memcpy(q, x, 64);
+                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                for (int j = 0; j < 4; j++) {
+                    d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_set1_epi64(q[j]));
+                    d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_set1_epi64(q[4 + j]));
+                }
+                float s0 = 0.0f, s1 = 0.0f;
+                for (int l = 0; l < 8; l++) { s0 += xs[l]; s1 += xs[8 + l]; }
+                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), sc0, blk[r]);
+                blk[r] = _mm512_fmadd_ps(mn0, _mm512_set1_ps(s0), blk[r]);
+                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), sc1, blk[r]);
+                blk[r] = _mm512_fmadd_ps(mn1, _mm512_set1_ps(s1), blk[r]);
+            }
+        }
+        for (int r = 0; r < n; r++)
+            acc[r] = _mm512_fmadd_ps(blk[r], _mm512_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + sb]), acc[r]);
+    }
+    x8_store(acc, n, r0, y, y_stride);
+}
+
+static void fmul_q4_Kx8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
+                             float * y, size_t y_stride) {
+    for (int64_t c = c0; c < c1; c += 8) {  /* c0, c1: multiples of 8 (run() splits columns so) */
+        const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
+        if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);
+        for (int r0 = 0; r0 < a->n; r0 += 8)
+            x8dot_q4_K(g, a->k / 256, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
+    }
+}
+
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
+#define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul512)
 
 static bool takes512(enum dfk_wtype t, int64_t k) { return k % 64 == 0; }

@@ -129,7 +129,7 @@ static inline void dfk_prefetch(const uint8_t * p, size_t n) {
         case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q4_0_X8: DFK_FMUL_Q4_0_X8(w, w_row, c0, c1, a, y, y_stride); break;                   \
-        case DFK_Q4_K_X8: fmul_q4_Kx8(w, w_row, c0, c1, a, y, y_stride); break;                        \
+        case DFK_Q4_K_X8: DFK_FMUL_Q4_K_X8(w, w_row, c0, c1, a, y, y_stride); break;                   \
         default: break;                                                                                \
         }                                                                                              \
     }
