@@ -910,6 +910,15 @@ def kernels() -> list[str]:
             out += ["| ours: read share | " + " | ".join(f"{o['read_share'][k]:.2f}" for k in ks) + " |",
                     "| ours: multiply-add share | " + " | ".join(f"{o['mac_share'][k]:.2f}" for k in ks) + " |"]
         out.append("")
+    for sname, rows in r.get("e2e", {}).items():
+        out += [f"**End to end, {sname}** (the default model Q4_0 and the shipped drafter, greedy, 128 tokens a "
+                "prompt, interleaved prompt by prompt; tok/s of decoding):", "",
+                "| configuration | tok/s | vs llama-cpp-python | vs its own plain loop | tau | identical to plain |",
+                "|---|---|---|---|---|---|"]
+        for k, v in rows.items():
+            out.append(f"| {k} | {v['tok_s']} | {v['vs_llama_cpp']:.2f} | {v.get('vs_own_plain', '')} | "
+                       f"{v.get('tau', '')} | {v.get('identical_to_plain', '')} |")
+        out.append("")
     return out
 
 
