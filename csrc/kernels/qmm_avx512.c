@@ -234,15 +234,20 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
     x8_store(acc, n, r0, y, y_stride);
 }
 
-static void fmul_q4_0x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
-                             float * y, size_t y_stride) {
-    for (int64_t c = c0; c < c1; c += 8) {  /* c0, c1: multiples of 8 (run() splits columns so) */
-        const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
-        if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);
-        for (int r0 = 0; r0 < a->n; r0 += 8)
-            x8dot_q4_0(g, a->k / 32, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
+/* a repacked type's kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 8
+ * activation rows at a time through x8dot_T over the row's BV-value blocks */
+#define X8_FMUL(T, BV)                                                                                 \
+    static void fmul_##T##x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1,                \
+                                  const struct dfk_act * a, float * y, size_t y_stride) {              \
+        for (int64_t c = c0; c < c1; c += 8) {                                                         \
+            const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;                              \
+            if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);                                    \
+            for (int r0 = 0; r0 < a->n; r0 += 8)                                                       \
+                x8dot_##T(g, a->k / BV, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);       \
+        }                                                                                              \
     }
-}
+
+X8_FMUL(q4_0, 32)
 
 
 /* Q4_K repacked (X8), 8 rows at once likewise: a superblock's pieces j = 0..15 (8 bytes of each row)
@@ -304,15 +309,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
     x8_store(acc, n, r0, y, y_stride);
 }
 
-static void fmul_q4_Kx8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a,
-                             float * y, size_t y_stride) {
-    for (int64_t c = c0; c < c1; c += 8) {  /* c0, c1: multiples of 8 (run() splits columns so) */
-        const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
-        if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);
-        for (int r0 = 0; r0 < a->n; r0 += 8)
-            x8dot_q4_K(g, a->k / 256, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
-    }
-}
+X8_FMUL(q4_K, 256)
 
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
