@@ -272,6 +272,7 @@ struct dflash_kernel_stats {
     int64_t products;          /* matrix products computed since the process started */
     int64_t rows;              /* activation rows in them */
     int64_t by_rows[17];       /* products by activation rows (1..16; [16]: 16 and more) */
+    int64_t products_id;       /* of the products, MUL_MAT_IDs (a MoE layer's experts; rows: its tokens) */
 };
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from llama_dflash.api.models import smollm2_tokenizer
 from llama_dflash.formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
@@ -35,7 +35,7 @@ def small_bpe_vocab() -> dict:
 
 @dataclass
 class TargetSpec:
-    arch: str = "llama"          # llama | qwen3 | qwen2
+    arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe
     n_embd: int = 64
     n_layer: int = 6
     n_head: int = 4
@@ -47,6 +47,28 @@ class TargetSpec:
     ctx: int = 4096
     eos_id: int = 2
     layer_scale: float = LAYER_SCALE
+    matrix_type: str = "f32"     # of the layers' other matrices (attention, dense FFN): f32 | q8_0 | q4_0
+    # qwen3moe: n_expert experts of n_ff_exp rows, n_expert_used a token, of expert_type; the router of
+    # router_type (converted models keep it f32)
+    n_expert: int = 8
+    n_expert_used: int = 3
+    n_ff_exp: int = 64
+    expert_type: str = "q8_0"
+    router_type: str = "f32"
+    dequantized: bool = False    # the quantized matrices' values written as f32 (a reference without 8-bit activations)
+
+
+QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+
+
+def add_matrix(w: GGUFWriter, name: str, m: np.ndarray, qtype: str, dequantized: bool = False) -> None:
+    """A weight matrix (or a stack of them) as f32 or quantized (dequantized: its quantized values as f32)."""
+    if qtype == "f32":
+        w.add_tensor(name, m)
+    elif dequantized:
+        w.add_tensor(name, dequantize(quantize(m, QTYPES[qtype]), QTYPES[qtype]).astype(np.float32))
+    else:
+        w.add_tensor(name, quantize(m, QTYPES[qtype]), raw_dtype=QTYPES[qtype])
 
 
 def write_target(path: str, spec: TargetSpec) -> str:
@@ -66,9 +88,13 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(hd)
-    if a == "qwen3":
+    if a in ("qwen3", "qwen3moe"):
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if a == "qwen3moe":
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_uint32(f"{a}.vocab_size", VOCAB)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -82,6 +108,9 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_add_bos_token(False)
     w.add_key_value("tokenizer.chat_template", voc["template"], GGUFValueType.STRING)
 
+    def put(name, m, qtype):
+        add_matrix(w, name, m, qtype, spec.dequantized)
+
     def mat(o, i, s):
         return (rng.standard_normal((o, i)) * s).astype(np.float32)
 
@@ -93,20 +122,17 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_tensor("output_norm.weight", norm(E))
     if not spec.tied:
         head = mat(VOCAB, E, 0.5)
-        if spec.output_type == "f32":
-            w.add_tensor("output.weight", head)
-        else:
-            qt = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[spec.output_type]
-            w.add_tensor("output.weight", quantize(head, qt), raw_dtype=qt)
+        put("output.weight", head, spec.output_type)
     s = spec.layer_scale / np.sqrt(E)
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(E))
-        w.add_tensor(p + "attn_q.weight", mat(spec.n_head * hd, E, s))
-        w.add_tensor(p + "attn_k.weight", mat(spec.n_head_kv * hd, E, s))
-        w.add_tensor(p + "attn_v.weight", mat(spec.n_head_kv * hd, E, s))
-        w.add_tensor(p + "attn_output.weight", mat(E, spec.n_head * hd, s))
-        if a == "qwen3":
+        mt = spec.matrix_type
+        put(p + "attn_q.weight", mat(spec.n_head * hd, E, s), mt)
+        put(p + "attn_k.weight", mat(spec.n_head_kv * hd, E, s), mt)
+        put(p + "attn_v.weight", mat(spec.n_head_kv * hd, E, s), mt)
+        put(p + "attn_output.weight", mat(E, spec.n_head * hd, s), mt)
+        if a in ("qwen3", "qwen3moe"):
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
         if a == "qwen2":
@@ -114,14 +140,29 @@ def write_target(path: str, spec: TargetSpec) -> str:
             w.add_tensor(p + "attn_k.bias", (0.02 * rng.standard_normal(spec.n_head_kv * hd)).astype(np.float32))
             w.add_tensor(p + "attn_v.bias", (0.02 * rng.standard_normal(spec.n_head_kv * hd)).astype(np.float32))
         w.add_tensor(p + "ffn_norm.weight", norm(E))
-        w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, E, s))
-        w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, E, s))
-        w.add_tensor(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)))
+        if a == "qwen3moe":
+            _add_experts(put, p, spec, rng, s)
+        else:
+            put(p + "ffn_gate.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_up.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)), mt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_experts(put, p: str, spec: TargetSpec, rng: np.random.Generator, s: float) -> None:
+    """A qwen3moe layer's router and experts (numpy shapes [n_expert, rows, values]: ggml's
+    [values, rows, n_expert])."""
+    E, F, X = spec.n_embd, spec.n_ff_exp, spec.n_expert
+    # large router logits: tokens spread over the experts, each choosing clearly
+    put(p + "ffn_gate_inp.weight", (rng.standard_normal((X, E)) * 4.0 / np.sqrt(E)).astype(np.float32),
+        spec.router_type)
+    for name, rows, cols, scale in (("gate", F, E, s), ("up", F, E, s), ("down", E, F, spec.layer_scale / np.sqrt(F))):
+        put(p + f"ffn_{name}_exps.weight", (rng.standard_normal((X, rows, cols)) * scale).astype(np.float32),
+            spec.expert_type)
 
 
 def drafter_config(target: TargetSpec, **kw) -> DrafterConfig:

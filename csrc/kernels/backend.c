@@ -4,8 +4,9 @@
  * Registered through ggml's public registry as an ACCEL device, it sits ahead of the CPU backend in
  * every llama_context created afterwards.  Its buffer type is the CPU's own, so llama.cpp places no
  * weight differently (make_cpu_buft_list skips it) and prefill runs exactly as before; the scheduler
- * hands it a MUL_MAT whose weight lives in a host buffer in ggml's standard layout, of a type
- * qmm.h decodes, with 1..DFK_MAX_ROWS activation rows.  Everything else stays with ggml-cpu.
+ * hands it a MUL_MAT, or a MUL_MAT_ID (a MoE layer's experts), whose weight lives in a host buffer in
+ * ggml's standard layout (or ggml-cpu's repacked one), of a type qmm.h decodes, with 1..DFK_MAX_ROWS
+ * activation rows (tokens, for MUL_MAT_ID).  Everything else stays with ggml-cpu.
  * Threads are OpenMP's, the same pool ggml-cpu uses, so nothing spins beside it.
  */
 #include "dflash.h"
@@ -37,13 +38,17 @@ static ggml_backend_buffer_t g_all_rows[DFK_MAX_ALL_ROWS];
 static int g_n_all_rows;
 static pthread_mutex_t g_all_rows_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool g_enabled = true;
-static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1];
+static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id;
 static char g_status[160] = "not registered";
 
 struct kctx {
     int n_threads;
     void * act;
     size_t act_size;
+    /* MUL_MAT_ID only: the source rows quantized once, the experts' results before their scatter,
+     * and the rows' order by expert */
+    void * src, * y, * idx;
+    size_t src_size, y_size, idx_size;
 };
 
 static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
@@ -99,19 +104,37 @@ void dflash_kernels_all_rows(const struct llama_model * model, bool on) {
     pthread_mutex_unlock(&g_all_rows_lock);
 }
 
+/* MUL_MAT_ID (ggml_mul_mat_id): w [k, ncol, n_expert], x [k, ne11, n_tok], ids I32 [n_used, n_tok],
+ * dst [ncol, n_used, n_tok] with dst[:, e, t] = W_ids[e,t] . x[:, e % ne11, t].  Rows of x, ids and
+ * dst are read through their strides; the experts' matrices must follow each other (repacked ones
+ * do: ggml-cpu repacks a 3D tensor's rows in groups of 8, and every expert has a multiple of 8). */
+static bool takes_id(const struct ggml_tensor * op, const struct ggml_tensor * w) {
+    const struct ggml_tensor * x = op->src[1], * ids = op->src[2];
+    if (!ids || ids->type != GGML_TYPE_I32 || w->ne[3] != 1 || w->nb[2] != w->nb[1] * w->ne[1]) return false;
+    const int64_t n_tok = x->ne[2];
+    if (n_tok < 1 || (n_tok > DFK_MAX_ROWS && !all_rows(w->buffer))) return false;
+    if (x->ne[3] != 1 || x->ne[1] < 1 || ids->ne[1] != n_tok || ids->ne[0] % x->ne[1] != 0 || ids->ne[2] != 1 ||
+        ids->ne[3] != 1) return false;
+    return op->ne[0] == w->ne[1] && op->ne[1] == ids->ne[0] && op->ne[2] == n_tok && op->ne[3] == 1 &&
+           op->nb[0] == sizeof(float);
+}
+
 /* The products this backend takes; the scheduler asks with the weight's buffer set. */
 static bool takes(const struct ggml_tensor * op) {
-    if (!g_isa || !atomic_load(&g_enabled) || op->op != GGML_OP_MUL_MAT) return false;
+    if (!g_isa || !atomic_load(&g_enabled)) return false;
+    if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) return false;
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
     enum dfk_wtype t;
     if (!weight_type(w, &t) || x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
-    if (w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
+    if (w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
     if (w->nb[0] != ggml_type_size(w->type) || w->nb[1] != ggml_row_size(w->type, w->ne[0])) return false;
+    if (x->ne[0] != w->ne[0] || x->nb[0] != sizeof(float)) return false;
+    if (op->op == GGML_OP_MUL_MAT_ID) return takes_id(op, w);
+    if (w->ne[2] != 1 || w->ne[3] != 1) return false;
     const int64_t n = act_rows(x);
     if (n < 1 || (n > DFK_MAX_ROWS && !all_rows(w->buffer))) return false;
     /* activation rows evenly strided, f32 values contiguous; the output likewise */
-    if (x->ne[0] != w->ne[0] || x->nb[0] != sizeof(float) || x->nb[2] != x->nb[1] * x->ne[1] ||
-        x->nb[3] != x->nb[2] * x->ne[2]) return false;
+    if (x->nb[2] != x->nb[1] * x->ne[1] || x->nb[3] != x->nb[2] * x->ne[2]) return false;
     if (op->ne[0] != w->ne[1] || op->nb[0] != sizeof(float) || op->nb[2] != op->nb[1] * op->ne[1] ||
         op->nb[3] != op->nb[2] * op->ne[2] || act_rows(op) != n) return false;
     return true;
@@ -125,24 +148,49 @@ static bool grow(void ** p, size_t * have, size_t need) {
     return *p != NULL;
 }
 
+/* n quantized activation rows in buf (dfk_act_size bytes): xq [n][kp], then dxl and xsl [n][kp / 4] */
+static struct dfk_act act_in(void * buf, int64_t k, int64_t kp, int n) {
+    struct dfk_act a = { k, kp, n, (int8_t *) buf, NULL, NULL };
+    a.dxl = (float *) (a.xq + (size_t) n * kp);
+    a.xsl = a.dxl + (size_t) n * (kp / 4);
+    return a;
+}
+
+/* rows [r0, r0 + n) of a */
+static struct dfk_act act_rows_of(const struct dfk_act * a, int r0, int n) {
+    const size_t q = (size_t) r0 * a->kp;
+    struct dfk_act v = { a->k, a->kp, n, a->xq + q, a->dxl + q / 4, a->xsl + q / 4 };
+    return v;
+}
+
+/* the columns [c0, c1) thread ith of nt computes */
+static void col_range(int64_t ncol, int ith, int nt, int64_t * c0, int64_t * c1) {
+    const int64_t per = ((ncol + nt - 1) / nt + 7) & ~(int64_t) 7;  /* whole repacked groups of 8 rows */
+    *c0 = per * ith < ncol ? per * ith : ncol;
+    *c1 = *c0 + per < ncol ? *c0 + per : ncol;
+}
+
 /* y = x . W^T for the n rows of x, the columns split over threads. */
 static void run(const struct dfk_isa * isa, enum dfk_wtype t, const void * w, size_t w_row, int64_t k, int64_t ncol,
                 const float * x, size_t x_stride, int n, float * y, size_t y_stride, int nth, void * act) {
-    const int64_t kp = (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK;
-    struct dfk_act a = { k, kp, n, (int8_t *) act, NULL, NULL };
-    a.dxl = (float *) (a.xq + (size_t) n * kp);
-    a.xsl = a.dxl + (size_t) n * (kp / 4);
+    const struct dfk_act a = act_in(act, k, (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK, n);
     /* a few rows: quantized by the calling thread, so the team meets only once, at the end */
     isa->quantize(t, x, x_stride, &a, 0, n);
     #pragma omp parallel num_threads(nth) if (nth > 1)
     {
-        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t per = ((ncol + nt - 1) / nt + 7) & ~(int64_t) 7, c0 = per * ith, c1 = c0 + per < ncol ? c0 + per : ncol;
+        int64_t c0, c1;
+        col_range(ncol, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
         if (c1 > c0) isa->mul(t, w, w_row, c0, c1, &a, y, y_stride);
     }
 }
 
 static int64_t padded(int64_t k) { return (k + DFK_CHUNK - 1) / DFK_CHUNK * DFK_CHUNK; }
+
+static void count(int64_t products, int64_t n) {
+    atomic_fetch_add(&g_products, products);
+    atomic_fetch_add(&g_rows, n);
+    atomic_fetch_add(&g_by_rows[n < DFK_MAX_ROWS ? n : DFK_MAX_ROWS], 1);
+}
 
 static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
@@ -155,11 +203,81 @@ static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
     if (!grow(&c->act, &c->act_size, dfk_act_size(padded(k), n))) return GGML_STATUS_ALLOC_FAILED;
     run(g_isa, t, w->data, w->nb[1], k, ncol, (const float *) x->data, x->nb[1], n, (float *) op->data, op->nb[1],
         nth, c->act);
-    atomic_fetch_add(&g_products, 1);
-    atomic_fetch_add(&g_rows, n);
-    atomic_fetch_add(&g_by_rows[n < DFK_MAX_ROWS ? n : DFK_MAX_ROWS], 1);
+    count(1, n);
     return GGML_STATUS_SUCCESS;
 }
+
+/* MUL_MAT_ID (takes_id): every source row quantized once, its copies grouped by expert, each used
+ * expert's rows against its matrix as one product, the results scattered to dst.  A row's operations
+ * are a one-row product's whatever the tokens and experts beside it: batch-invariant as run() is. */
+static enum ggml_status mul_mat_id(struct kctx * c, struct ggml_tensor * op) {
+    const struct ggml_tensor * w = op->src[0], * x = op->src[1], * ids = op->src[2];
+    enum dfk_wtype t;
+    if (!weight_type(w, &t)) return GGML_STATUS_FAILED;
+    const int64_t k = w->ne[0], kp = padded(k), ncol = w->ne[1], n_exp = w->ne[2];
+    const int n_used = (int) ids->ne[0], n_tok = (int) ids->ne[1], ne11 = (int) x->ne[1];
+    const int n_src = ne11 * n_tok, n = n_used * n_tok;
+    /* idx: start[n_exp + 1] (an expert's first row in the grouped order), at[n_exp], then the grouped
+     * rows' slot e + n_used * t */
+    if (!grow(&c->idx, &c->idx_size, sizeof(int32_t) * (size_t) (2 * n_exp + 1 + n)) ||
+        !grow(&c->src, &c->src_size, dfk_act_size(kp, n_src)) || !grow(&c->act, &c->act_size, dfk_act_size(kp, n)) ||
+        !grow(&c->y, &c->y_size, sizeof(float) * (size_t) n * (size_t) ncol)) return GGML_STATUS_ALLOC_FAILED;
+    int32_t * start = (int32_t *) c->idx, * at = start + n_exp + 1, * slot = at + n_exp;
+    memset(start, 0, sizeof(int32_t) * (size_t) (n_exp + 1));
+    for (int tk = 0; tk < n_tok; tk++)
+        for (int e = 0; e < n_used; e++) {
+            const int32_t id = *(const int32_t *) ((const char *) ids->data + tk * ids->nb[1] + e * ids->nb[0]);
+            if (id < 0 || id >= n_exp) return GGML_STATUS_FAILED;
+            start[id + 1]++;
+        }
+    int n_active = 0;
+    for (int64_t i = 0; i < n_exp; i++) {
+        n_active += start[i + 1] > 0;
+        start[i + 1] += start[i];
+        at[i] = start[i];
+    }
+    for (int tk = 0; tk < n_tok; tk++)
+        for (int e = 0; e < n_used; e++) {
+            const int32_t id = *(const int32_t *) ((const char *) ids->data + tk * ids->nb[1] + e * ids->nb[0]);
+            slot[at[id]++] = e + n_used * tk;
+        }
+    /* quantized by the calling thread, as in run(): a token's ne11 rows at a time through their strides */
+    const struct dfk_act src = act_in(c->src, k, kp, n_src), g = act_in(c->act, k, kp, n);
+    for (int tk = 0; tk < n_tok; tk++) {
+        const struct dfk_act v = act_rows_of(&src, tk * ne11, ne11);
+        g_isa->quantize(t, (const float *) ((const char *) x->data + tk * x->nb[2]), x->nb[1], &v, 0, ne11);
+    }
+    for (int r = 0; r < n; r++) {
+        const int e = slot[r] % n_used, s = e % ne11 + ne11 * (slot[r] / n_used);
+        memcpy(g.xq + (size_t) r * kp, src.xq + (size_t) s * kp, (size_t) kp);
+        memcpy(g.dxl + (size_t) r * (kp / 4), src.dxl + (size_t) s * (kp / 4), sizeof(float) * (size_t) (kp / 4));
+        memcpy(g.xsl + (size_t) r * (kp / 4), src.xsl + (size_t) s * (kp / 4), sizeof(float) * (size_t) (kp / 4));
+    }
+    int nth = c->n_threads > 0 ? c->n_threads : 1;
+    if (ncol * k * n_active < 65536) nth = 1;
+    float * y = (float *) c->y;
+    /* one team for every expert: each thread its columns of each, scattered by the thread itself */
+    #pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        int64_t c0, c1;
+        col_range(ncol, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+        for (int64_t i = 0; i < n_exp && c1 > c0; i++) {
+            const int r0 = start[i], m = start[i + 1] - r0;
+            if (m == 0) continue;
+            const struct dfk_act a = act_rows_of(&g, r0, m);
+            g_isa->mul(t, (const char *) w->data + i * w->nb[2], w->nb[1], c0, c1, &a, y + (size_t) r0 * ncol,
+                       sizeof(float) * (size_t) ncol);
+            for (int r = r0; r < r0 + m; r++) {
+                char * d = (char *) op->data + (slot[r] % n_used) * op->nb[1] + (slot[r] / n_used) * op->nb[2];
+                memcpy((float *) d + c0, y + (size_t) r * ncol + c0, sizeof(float) * (size_t) (c1 - c0));
+            }
+        }
+    }
+    count(1, n_tok);
+    atomic_fetch_add(&g_products_id, 1);
+    return GGML_STATUS_SUCCESS;
+}
+
 /* backend */
 
 static const char * be_name(ggml_backend_t b) { return "DFLASH"; }
@@ -167,6 +285,9 @@ static const char * be_name(ggml_backend_t b) { return "DFLASH"; }
 static void be_free(ggml_backend_t b) {
     struct kctx * c = (struct kctx *) b->context;
     free(c->act);
+    free(c->src);
+    free(c->y);
+    free(c->idx);
     free(c);
     free(b);
 }
@@ -181,8 +302,8 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     for (int i = 0; i < ggml_graph_n_nodes(g); i++) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (is_view(node->op)) continue;
-        if (node->op != GGML_OP_MUL_MAT) return GGML_STATUS_FAILED;
-        enum ggml_status st = mul_mat(c, node);
+        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return GGML_STATUS_FAILED;
+        enum ggml_status st = node->op == GGML_OP_MUL_MAT ? mul_mat(c, node) : mul_mat_id(c, node);
         if (st != GGML_STATUS_SUCCESS) return st;
     }
     return GGML_STATUS_SUCCESS;
@@ -313,6 +434,7 @@ void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
     out->products = atomic_load(&g_products);
     out->rows = atomic_load(&g_rows);
     for (int i = 0; i <= DFK_MAX_ROWS; i++) out->by_rows[i] = atomic_load(&g_by_rows[i]);
+    out->products_id = atomic_load(&g_products_id);
 }
 
 int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
