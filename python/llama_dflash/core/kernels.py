@@ -13,6 +13,11 @@ from llama_cpp import _logger
 from .. import _native
 
 ENV = "LLAMA_DFLASH_KERNELS"
+_ON = "kernels on ("  # the C core's status line when the kernels run: "kernels on (<isa>)"
+
+
+def _env_off() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no")
 
 
 @dataclass
@@ -29,7 +34,7 @@ class KernelStats:
     @property
     def isa(self) -> str:
         """The instruction set the kernels run ("avx512vnni", "avx2"), "" when they are off."""
-        return self.status[len("kernels on ("):-1] if self.enabled and self.status.startswith("kernels on (") else ""
+        return self.status[len(_ON):-1] if self.enabled and self.status.startswith(_ON) else ""
 
     @property
     def backend(self) -> str:
@@ -40,7 +45,7 @@ class KernelStats:
 def register() -> KernelStats:
     """Register the backend unless the environment says no (idempotent); a CPU or libggml it cannot
     serve is logged in one line, and everything runs on ggml's kernels."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if _env_off():
         return stats()
     err = _native.err_buf()
     if _native.lib.dflash_kernels_register(err, _native.ERR_LEN) != 0:
@@ -57,8 +62,8 @@ def set_enabled(on: bool) -> None:
 def stats() -> KernelStats:
     s = _native.ffi.new("struct dflash_kernel_stats *")
     _native.lib.dflash_kernels_get_stats(s)
-    status = _native.ffi.string(s.status).decode() if s.registered or s.status[0] != b"\0" else ""
-    if not s.registered and os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    status = _native.ffi.string(s.status).decode()
+    if not s.registered and _env_off():
         status = f"kernels off ({ENV}=0)"
     return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
                        {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]})
@@ -67,4 +72,4 @@ def stats() -> KernelStats:
 def describe() -> str:
     """One line for stats and reports: which backend runs the target's small matrix products."""
     s = stats()
-    return f"dflash {s.status[len('kernels on '):]}" if s.enabled else f"ggml: {s.status}"
+    return f"dflash ({s.isa})" if s.enabled else f"ggml: {s.status}"
