@@ -26,14 +26,15 @@ enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_Q4_0_X8, 
 #define DFK_MAX_ROWS 16  /* activation rows one product takes */
 #define DFK_CHUNK 64     /* values per step of the widest kernel: rows are padded to a multiple */
 
-/* Quantized activation rows: xq [n][kp] int8, and per 4-value lane dxl (scales) and xsl (sums):
- * qmm_common.h, dfk_quantize. */
+/* Quantized activation rows: xq [n][kp] int8, per 4-value lane dxl (scales) and xsl (sums), and
+ * xbs [n][kp / 32] the integer sum of every 32 values: qmm_common.h, dfk_quantize. */
 struct dfk_act {
     int64_t k, kp;
     int     n;
     int8_t * xq;
     float  * dxl;
     float  * xsl;
+    int16_t * xbs;
 };
 
 /* One instruction set's kernels (qmm_avx512.c, qmm_avx2.c). */
@@ -50,7 +51,7 @@ struct dfk_isa {
     int64_t (*mac_loop)(int64_t n);
 };
 
-size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's three arrays */
+size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's four arrays */
 int64_t dfk_block_values(enum dfk_wtype t);         /* values per weight block */
 size_t  dfk_block_bytes(enum dfk_wtype t);          /* bytes per weight block */
 

@@ -149,7 +149,7 @@ static inline float hsum(__m256 v) {
         default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }                                                                                                  \
-    DFK_FMUL(T, X8, 4)
+    DFK_FMUL(T, X8, 4, 0)
 
 /*         type    ZP SIGNED MINS FINE X8 */
 FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)

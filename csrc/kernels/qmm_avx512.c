@@ -12,7 +12,7 @@ static inline __m512 two_scales(float a, float b) {
 
 static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
 
-static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * b0 = row + (size_t) (2 * i) * 18, * b1 = b0 + 18;
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *) (b1 + 2)), _mm_loadu_si128((const __m128i *) (b0 + 2)));
@@ -23,7 +23,7 @@ static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m512i * q,
     *o = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
 }
 
-static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * b0 = row + (size_t) (2 * i) * 34, * b1 = b0 + 34;
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (b0 + 2))),
                                          _mm256_loadu_si256((const __m256i *) (b1 + 2)), 1);
@@ -41,7 +41,7 @@ static inline void k4_scales(const uint8_t * blk, int c, __m512 * s, __m512 * o)
     *o = two_scales(-dmin * m0, -dmin * m1);
 }
 
-static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 144;
     const int c = (int) (i % 4);
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -51,7 +51,7 @@ static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512i * q,
     k4_scales(blk, c, s, o);
 }
 
-static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 176;
     const int c = (int) (i % 4);
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -64,58 +64,44 @@ static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512i * q,
     k4_scales(blk, c, s, o);
 }
 
-static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
+/* Q6_K: the 16 sub-block scales of superblock i0 / 4 times d, once a superblock (sbv) */
+static inline __m512 sbs_q6_K(const uint8_t * row, int64_t i0) {
+    const uint8_t * blk = row + (size_t) (i0 / 4) * 210;
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 192)))),
+                         _mm512_set1_ps(h2f_at(blk + 208)));
+}
+
+/* chunk j of a superblock: the low 4 bits from half n = j / 2 of ql (its low nibbles for p = j % 2 = 0,
+ * high ones for 1), the high 2 bits from qh's 32 bytes of that half, bits 4p + 2h of each byte for the
+ * chunk's 32-value half h; its 4 sub-blocks' scales out of sbv */
+static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 210;
     const int j = (int) (i % 4), n = j / 2, p = j % 2;
     const __m512i L = _mm512_loadu_si512((const void *) (blk + 64 * n));
-    const __m256i H = _mm256_loadu_si256((const __m256i *) (blk + 128 + 32 * n));
-    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
-    const __m512i low = _mm512_and_si512(p ? _mm512_srli_epi16(L, 4) : L, m4);
-    const __m512i hx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4 * p)),
-                                          _mm256_srli_epi16(H, 4 * p + 2), 1);
-    *q = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(hx, m3), 4));
-    int32_t sc4;
-    memcpy(&sc4, blk + 192 + 8 * n + 4 * p, 4);
-    const __m128 f4 = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4))), _mm_set1_ps(h2f_at(blk + 208)));
-    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    *s = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f4));
-    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
+    const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (blk + 128 + 32 * n)));
+    /* (H >> (4p + 2h)) & 3, at bits 4..5: 16-bit shifts by 4 - 4p - 2h, masked per byte */
+    const __m512i hb = _mm512_and_si512(p ? _mm512_srlv_epi16(H, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0) * 0x0001000100010001LL)
+                                          : _mm512_sllv_epi16(H, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4) * 0x0001000100010001LL),
+                                        _mm512_set1_epi8(0x30));
+    *q = _mm512_ternarylogic_epi32(p ? _mm512_srli_epi16(L, 4) : L, _mm512_set1_epi8(15), hb, 0xEA);  /* (a & b) | c */
+    *s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                _mm512_set1_epi32(4 * j)), sbv);
+    *o = _mm512_setzero_ps();
 }
 
+static inline __m512 sbs_none(const uint8_t * row, int64_t i0) { return _mm512_setzero_ps(); }
+#define sbs_q4_0 sbs_none
+#define sbs_q8_0 sbs_none
+#define sbs_q4_K sbs_none
+#define sbs_q5_K sbs_none
 
-/* X8 rows (qmm_common.h): `row` is the group's start, rr the row in it */
-static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
-    const uint8_t * p0 = row + (size_t) (2 * i) * 144, * p1 = p0 + 144;
-    const uint8_t * a = p0 + 16 + 8 * rr, * b = p1 + 16 + 8 * rr;
-    uint64_t a0, a1, b0, b1;
-    memcpy(&a0, a, 8); memcpy(&a1, a + 64, 8); memcpy(&b0, b, 8); memcpy(&b1, b + 64, 8);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i v = _mm256_xor_si256(_mm256_set_epi64x((long long) b1, (long long) b0, (long long) a1, (long long) a0),
-                                       _mm256_set1_epi8((char) 0x88));
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    *q = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
-    *s = two_scales(h2f_at(p0 + 2 * rr), h2f_at(p1 + 2 * rr));
-    *o = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
-}
+/* bytes of 256 values (4 chunks) of each type: the stream fdot_T prefetches */
+#define sbb_q4_0 144
+#define sbb_q8_0 272
+#define sbb_q4_K 144
+#define sbb_q5_K 176
+#define sbb_q6_K 210
 
-static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m512i * q, __m512 * s, __m512 * o) {
-    const uint8_t * p = row + (size_t) (i / 4) * 1152;
-    const int c = (int) (i % 4);
-    const uint8_t * qs = p + 128 + 8 * rr + 256 * c;  /* pieces 4c .. 4c+3 of row rr: 64 bytes apart */
-    uint64_t v0, v1, v2, v3;
-    memcpy(&v0, qs, 8); memcpy(&v1, qs + 64, 8); memcpy(&v2, qs + 128, 8); memcpy(&v3, qs + 192, 8);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i v = _mm256_set_epi64x((long long) v3, (long long) v2, (long long) v1, (long long) v0);
-    *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
-    const float d = h2f_at(p + 2 * rr), dmin = h2f_at(p + 16 + 2 * rr);
-    uint8_t sc0, m0, sc1, m1;
-    scale_min_k4(rr, p + 32 + 12 * (2 * c), &sc0, &m0);
-    scale_min_k4(rr, p + 32 + 12 * (2 * c + 1), &sc1, &m1);
-    *s = two_scales(d * sc0, d * sc1);
-    *o = two_scales(-dmin * m0, -dmin * m1);
-}
 
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
     dfk_quantize(t, true, x, x_stride, a, r0, r1);
@@ -131,10 +117,12 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
         const int64_t kp = a->kp, nch = a->k / 64;                                                     \
         for (int64_t i0 = 0; i0 < nch; i0 += 4) {                                                      \
             for (int r = 0; r < N; r++) blk[r] = _mm512_setzero_ps();                                  \
+            const __m512 sbv = sbs_##T(row, i0);                                                       \
+            if (r0 == 0) dfk_prefetch(row + (size_t) (i0 / 4) * sbb_##T + DFK_PF_AHEAD, sbb_##T);      \
             for (int64_t i = i0; i < i0 + 4 && i < nch; i++) {                                         \
                 __m512i qv;                                                                            \
                 __m512 sv, ov;                                                                         \
-                dec_##T(row, rr, i, &qv, &sv, &ov);                                                    \
+                dec_##T(row, rr, i, sbv, &qv, &sv, &ov);                                               \
                 for (int r = 0; r < N; r++) {                                                          \
                     const size_t ro = (size_t) (r0 + r);                                               \
                     const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));  \
@@ -175,7 +163,7 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
         default: fdot_##T##_8(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }                                                                                                  \
-    DFK_FMUL(T, X8, 8)
+    DFK_FMUL(T, X8, 8, 1)
 
 FUSED_TYPE(q4_0, 0, 1, 0)
 FUSED_TYPE(q8_0, 0, 1, 0)
@@ -208,6 +196,7 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t * p = g + (size_t) b * 144;
+        if (r0 == 0) dfk_prefetch(p + DFK_PF_AHEAD, 144);  /* the groups follow each other: one stream */
         const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p))));
         const __m512i A = _mm512_xor_si512(_mm512_loadu_si512((const void *) (p + 16)), x88);
@@ -235,44 +224,74 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
 }
 
 /* a repacked type's kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 8
- * activation rows at a time through x8dot_T over the row's BV-value blocks */
-#define X8_FMUL(T, BV)                                                                                 \
+ * activation rows at a time through x8dot_T over the row's BV-value blocks; PF: the next group
+ * prefetched whole (0: x8dot_T prefetches its own stream) */
+#define X8_FMUL(T, BV, PF)                                                                             \
     static void fmul_##T##x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1,                \
                                   const struct dfk_act * a, float * y, size_t y_stride) {              \
         for (int64_t c = c0; c < c1; c += 8) {                                                         \
             const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;                              \
-            if (c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);                                    \
+            if (PF && c + 8 < c1) dfk_prefetch(g + 8 * w_row, 8 * w_row);                              \
             for (int r0 = 0; r0 < a->n; r0 += 8)                                                       \
                 x8dot_##T(g, a->k / BV, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);       \
         }                                                                                              \
     }
 
-X8_FMUL(q4_0, 32)
+X8_FMUL(q4_0, 32, 0)
 
 
 /* Q4_K repacked (X8), 8 rows at once likewise: a superblock's pieces j = 0..15 (8 bytes of each row)
- * hold sub-block 2(j/4) in their low nibbles and 2(j/4)+1 in their high ones; per sub-block the
- * rows' scales and minima (lanes 2r, 2r+1) are decoded once for every activation row, and the
- * activation block's scale multiplies the superblock's sum once. */
+ * hold sub-block 2(j/4) in their low nibbles and 2(j/4)+1 in their high ones.  Per superblock the
+ * 8 x 8 sub-block scales and minima are unpacked from their 96 bytes with vector ops, once for every
+ * activation row: the scales as floats (lanes 2r, 2r+1), the minima as int16 pairs of sub-blocks
+ * (lane r).  Per (activation row, weight row), in a fixed order: each sub-block's int32 dots times
+ * its scale summed in float, times d and the activation block's scale once a superblock; the
+ * minima's integer sum over the superblock (against the activations' 32-value sums) times -dmin
+ * and the activation scale, kept apart; the two lanes and that sum added at the end. */
+
+/* the 6-bit scales (sc) and minima (m) of sub-blocks s = 0..7 for rows 0..3 (lo) and 4..7 (hi): lane s
+ * of each holds 4 bytes (a row a byte), from the sub-blocks' 12-byte packs at p */
+static inline void q4_Kx8_scales(const uint8_t * p, __m256i * sc_lo, __m256i * sc_hi, __m256i * m_lo, __m256i * m_hi) {
+    const __m512i A = _mm512_loadu_si512((const void *) p), B = _mm512_loadu_si512((const void *) (p + 64));
+    const __m512i i01 = _mm512_set_epi32(22, 19, 16, 13, 10, 7, 4, 1, 21, 18, 15, 12, 9, 6, 3, 0);
+    const __m512i i2 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 23, 20, 17, 14, 11, 8, 5, 2);
+    const __m512i u01 = _mm512_permutex2var_epi32(A, i01, B);
+    const __m256i u0 = _mm512_castsi512_si256(u01), u1 = _mm512_extracti64x4_epi64(u01, 1);
+    const __m256i u2 = _mm512_castsi512_si256(_mm512_permutex2var_epi32(A, i2, B));
+    const __m256i k63 = _mm256_set1_epi8(63), k15 = _mm256_set1_epi8(15), k3 = _mm256_set1_epi8(3);
+    *sc_lo = _mm256_and_si256(u0, k63);
+    *m_lo = _mm256_and_si256(u1, k63);
+    *sc_hi = _mm256_or_si256(_mm256_and_si256(u2, k15), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+    *m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k15),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+}
+
 static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_act * a, int r0, int n, float * y,
                               size_t y_stride) {
     __m512 acc[8];
-    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    __m256 accm[8];
+    for (int r = 0; r < n; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
     const int64_t kp = a->kp;
     const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t * p = g + (size_t) sb * 1152;
-        float scv[8][16], mnv[8][16];  /* per sub-block: d * scale (both lanes of a row), -dmin * min (even lane) */
-        for (int r = 0; r < 8; r++) {
-            const float d = h2f_at(p + 2 * r), dmin = h2f_at(p + 16 + 2 * r);
-            for (int sub = 0; sub < 8; sub++) {
-                uint8_t sc, m;
-                scale_min_k4(r, p + 32 + 12 * sub, &sc, &m);
-                scv[sub][2 * r] = scv[sub][2 * r + 1] = d * sc;
-                mnv[sub][2 * r] = -dmin * m;
-                mnv[sub][2 * r + 1] = 0.0f;
-            }
-        }
+        if (r0 == 0) dfk_prefetch(p + DFK_PF_AHEAD, 1152);  /* the groups follow each other: one stream */
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p))));
+        const __m256 dmw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 16))));
+        __m256i sc_lo, sc_hi, m_lo, m_hi;
+        q4_Kx8_scales(p + 32, &sc_lo, &sc_hi, &m_lo, &m_hi);
+        /* sub-block s's 8 row bytes: the 64-bit element of these (s = 0, 1, 4, 5 | 2, 3, 6, 7) */
+        const __m256i scA = _mm256_unpacklo_epi32(sc_lo, sc_hi), scB = _mm256_unpackhi_epi32(sc_lo, sc_hi);
+        const __m256i mA = _mm256_unpacklo_epi32(m_lo, m_hi), mB = _mm256_unpackhi_epi32(m_lo, m_hi);
+        const __m128i sc01 = _mm256_castsi256_si128(scA), sc45 = _mm256_extracti128_si256(scA, 1);
+        const __m128i sc23 = _mm256_castsi256_si128(scB), sc67 = _mm256_extracti128_si256(scB, 1);
+        const __m128i sc2[4] = { sc01, sc23, sc45, sc67 };  /* sub-blocks 2t (low 8 bytes), 2t + 1 */
+        const __m128i mm2[4] = { _mm256_castsi256_si128(mA), _mm256_castsi256_si128(mB), _mm256_extracti128_si256(mA, 1),
+                                 _mm256_extracti128_si256(mB, 1) };
+        __m256i mpair[4];  /* int16 pairs (m[2t][r], m[2t+1][r]) in lane r */
+        for (int t = 0; t < 4; t++)
+            mpair[t] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mm2[t], _mm_srli_si128(mm2[t], 8)));
         __m512 blk[8];
         for (int r = 0; r < n; r++) blk[r] = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
@@ -282,34 +301,38 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
                 lo[j] = _mm512_and_si512(v, m4);
                 hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             }
-            const __m512 sc0 = _mm512_loadu_ps(scv[2 * c]), sc1 = _mm512_loadu_ps(scv[2 * c + 1]);
-            const __m512 mn0 = _mm512_loadu_ps(mnv[2 * c]), mn1 = _mm512_loadu_ps(mnv[2 * c + 1]);
+            const __m512 sc0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc2[c], sc2[c])));
+            const __m512 sc1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(sc2[c], sc2[c])));
             for (int r = 0; r < n; r++) {
-                const size_t ro = (size_t) (r0 + r);
-                const int8_t * x = a->xq + ro * kp + 256 * sb + 64 * c;
-                const float * xs = a->xsl + ro * (kp / 4) + 64 * sb + 16 * c;  /* lane sums, as floats */
-                int64_t q[8];
-                memcpy(q, x, 64);
+                const int64_t * x = (const int64_t *) (a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c);
                 __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
                 for (int j = 0; j < 4; j++) {
-                    d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_set1_epi64(q[j]));
-                    d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_set1_epi64(q[4 + j]));
+                    d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_set1_epi64(x[j]));
+                    d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_set1_epi64(x[4 + j]));
                 }
-                float s0 = 0.0f, s1 = 0.0f;
-                for (int l = 0; l < 8; l++) { s0 += xs[l]; s1 += xs[8 + l]; }
                 blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), sc0, blk[r]);
-                blk[r] = _mm512_fmadd_ps(mn0, _mm512_set1_ps(s0), blk[r]);
                 blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), sc1, blk[r]);
-                blk[r] = _mm512_fmadd_ps(mn1, _mm512_set1_ps(s1), blk[r]);
             }
         }
-        for (int r = 0; r < n; r++)
-            acc[r] = _mm512_fmadd_ps(blk[r], _mm512_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + sb]), acc[r]);
+        for (int r = 0; r < n; r++) {
+            const size_t ro = (size_t) (r0 + r);
+            const float dx = a->dxl[ro * (kp / 4) + sb];
+            const int32_t * bs = (const int32_t *) (a->xbs + ro * (kp / 32) + 8 * sb);  /* sub-block sum pairs */
+            __m256i mi = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) mi = _mm256_dpwssd_epi32(mi, mpair[t], _mm256_set1_epi32(bs[t]));
+            acc[r] = _mm512_fmadd_ps(blk[r], _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), accm[r]);
+        }
     }
-    x8_store(acc, n, r0, y, y_stride);
+    const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int r = 0; r < n; r++) {
+        const __m512 s = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xB1));
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride),
+                         _mm256_add_ps(_mm512_castps512_ps256(_mm512_permutexvar_ps(evens, s)), accm[r]));
+    }
 }
 
-X8_FMUL(q4_K, 256)
+X8_FMUL(q4_K, 256, 0)
 
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows

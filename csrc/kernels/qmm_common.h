@@ -64,7 +64,7 @@ static inline void x8_block_q4_K(const uint8_t * g, int64_t b, int r, blk_q4_K *
  * the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a block's sum once instead of every
  * lane product).  xsl per lane: the lane's integer sum times minus the type's zero point (8, 128,
  * 32: the start of the lane's integer dot; q8_biased: Q8_0 stored as w + 128, else signed), or for the types with float minima (Q4_K, Q5_K) the
- * lane sum as a float. */
+ * lane sum as a float.  xbs: the integer sum of every 32 values (|sum| <= 32 * 127). */
 static inline int dfk_zero_point(enum dfk_wtype t, bool q8_biased) {
     return t == DFK_Q4_0 || t == DFK_Q4_0_X8 ? 8 : t == DFK_Q8_0 ? (q8_biased ? 128 : 0) : t == DFK_Q6_K ? 32 : 0;
 }
@@ -80,6 +80,7 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
         float * xf = a->xsl + (size_t) r * (kp / 4);
         int32_t * xc = (int32_t *) xf;
         float * dx = a->dxl + (size_t) r * (kp / 4);
+        int16_t * xb = a->xbs + (size_t) r * (kp / 32);
         for (int64_t b = 0; b < (kp + bs - 1) / bs; b++) {
             const int64_t j0 = bs * b, j1 = j0 + bs < k ? j0 + bs : k, p1 = j0 + bs < kp ? j0 + bs : kp;
             float amax = 0.0f;
@@ -92,6 +93,11 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
                 const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
                 if (zp) xc[l] = (int32_t) -zp * sum; else xf[l] = (float) sum;
             }
+            for (int64_t s = j0 / 32; s < p1 / 32; s++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 32; j++) sum += q[32 * s + j];
+                xb[s] = (int16_t) sum;
+            }
         }
     }
 }
@@ -99,19 +105,23 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
 
 /* the hardware prefetcher alone falls behind once a row's products take more than a few cycles */
 #define DFK_PREFETCH_ROWS 2
+#ifndef DFK_PF_AHEAD
+#define DFK_PF_AHEAD 2048  /* bytes ahead of the kernels that prefetch their own stream */
+#endif
 static inline void dfk_prefetch(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
 
 /* A type's kernel over weight rows [c0, c1): each row (X8: its group's start and its place in it)
- * against every activation row, GROUP rows at a time through fdot_T(m, ...) for m <= GROUP rows. */
-#define DFK_FMUL(T, X8, GROUP)                                                                         \
+ * against every activation row, GROUP rows at a time through fdot_T(m, ...) for m <= GROUP rows;
+ * SELF_PF: fdot_T prefetches its own stream (else a row is prefetched whole, DFK_PREFETCH_ROWS ahead). */
+#define DFK_FMUL(T, X8, GROUP, SELF_PF)                                                                       \
     static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
                          float * y, size_t y_stride) {                                                 \
         for (int64_t c = c0; c < c1; c++) {                                                            \
             const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
             const int rr = (int) (c & 7);                                                              \
-            if (!X8 && c + DFK_PREFETCH_ROWS < c1) dfk_prefetch(row + DFK_PREFETCH_ROWS * w_row, w_row); \
+            if (!X8 && !SELF_PF && c + DFK_PREFETCH_ROWS < c1) dfk_prefetch(row + DFK_PREFETCH_ROWS * w_row, w_row); \
             if (X8 && rr == 0 && c + 8 < c1) dfk_prefetch(row + 8 * w_row, 8 * w_row);                 \
             for (int r0 = 0; r0 < a->n; r0 += GROUP)                                                   \
                 fdot_##T(a->n - r0 >= GROUP ? GROUP : a->n - r0, row, rr, a, r0, y + c, y_stride);     \
