@@ -8,6 +8,9 @@
 
 static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
 
+/* what a type's decoder takes once a superblock (Q6_K's scales), else nothing */
+struct sbs { __m256 lo, hi; };
+
 static inline __m256i nibbles(__m128i v) {  /* 16 bytes -> their 16 low then 16 high nibbles */
     const __m128i m4 = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
@@ -20,13 +23,13 @@ static inline __m256i half_nibbles(__m256i v, int high) {
 
 /* decoders: chunk i (values 32i .. 32i+31) of a weight row -> q, scale s and offset o (8 lanes);
  * X8 rows: `row` is the group's start, rr the row in it */
-static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * b = row + (size_t) i * 18;
     *q = nibbles(_mm_loadu_si128((const __m128i *) (b + 2)));
     *s = _mm256_set1_ps(h2f_at(b));
 }
 
-static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * p = row + (size_t) i * 144;
     uint64_t lo, hi;
     memcpy(&lo, p + 16 + 8 * rr, 8);
@@ -35,7 +38,7 @@ static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, __m256i * 
     *s = _mm256_set1_ps(h2f_at(p + 2 * rr));
 }
 
-static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * b = row + (size_t) i * 34;
     *q = _mm256_loadu_si256((const __m256i *) (b + 2));
     *s = _mm256_set1_ps(h2f_at(b));
@@ -48,14 +51,14 @@ static inline void k4_scale(const uint8_t * scales, int j, float d, float dmin, 
     *o = _mm256_set1_ps(-dmin * m);
 }
 
-static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * blk = row + (size_t) (i / 8) * 144;
     const int j = (int) (i % 8);
     *q = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 16 + 32 * (j / 2))), j & 1);
     k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
 }
 
-static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * p = row + (size_t) (i / 8) * 1152;
     const int j = (int) (i % 8), c = j / 2;
     const uint8_t * qs = p + 128 + 8 * rr + 256 * c;  /* pieces 4c .. 4c+3 of row rr: 64 bytes apart */
@@ -65,7 +68,7 @@ static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, __m256i * 
     k4_scale(p + 32 + 12 * j, rr, h2f_at(p + 2 * rr), h2f_at(p + 16 + 2 * rr), s, o);
 }
 
-static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * blk = row + (size_t) (i / 8) * 176;
     const int j = (int) (i % 8);
     const __m256i low = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 48 + 32 * (j / 2))), j & 1);
@@ -75,17 +78,40 @@ static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m256i * q,
     k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
 }
 
-static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m256i * q, __m256 * s, __m256 * o) {
+/* Q6_K, in integers within a superblock: its 16 int8 sub-block scales as int16 (lo, cast) and d (hi),
+ * once a superblock */
+static inline struct sbs sbs_q6_K(const uint8_t * row, int64_t i0) {
+    const uint8_t * blk = row + (size_t) (i0 / 8) * 210;
+    struct sbs r = { _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) (blk + 192)))),
+                     _mm256_set1_ps(h2f_at(blk + 208)) };
+    return r;
+}
+
+/* chunk j of a superblock as signed values (q - 32): the low 4 bits from ql's 32 bytes 64n + 32 (p & 1)
+ * (n = j / 4, p = j % 4; high nibbles for p >= 2), the high 2 bits from qh's 32 bytes of half n, bits
+ * 2p; sc: scale 2j in the 8 int16 lanes of the first 16 values, 2j + 1 in the others */
+static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256i * sc) {
     const uint8_t * blk = row + (size_t) (i / 8) * 210;
     const int j = (int) (i % 8), n = j / 4, p = j % 4;
     const __m256i low = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 64 * n + 32 * (p & 1))), p >= 2);
     const __m256i h = _mm256_loadu_si256((const __m256i *) (blk + 128 + 32 * n));
-    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * p), _mm256_set1_epi8(3)), 4);
-    *q = _mm256_or_si256(low, hb);
-    const int8_t * sc = (const int8_t *) (blk + 192 + 8 * n + 2 * p);  /* value v of the half: sc[v / 16] */
-    const float d = h2f_at(blk + 208);
-    *s = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+    /* (h >> 2p) & 3 at bits 4..5: 16-bit shifts, masked per byte */
+    const __m256i hs = p == 3 ? _mm256_srli_epi16(h, 2) : p == 2 ? h : p == 1 ? _mm256_slli_epi16(h, 2) : _mm256_slli_epi16(h, 4);
+    *q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(hs, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
+    const __m256i pr = _mm256_permutevar8x32_epi32(_mm256_castps_si256(sb.lo), _mm256_set1_epi32(j));
+    *sc = _mm256_shuffle_epi8(pr, _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                                  1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
 }
+
+static inline struct sbs sbs_none(const uint8_t * row, int64_t i0) { struct sbs r = { _mm256_setzero_ps(), _mm256_setzero_ps() }; return r; }
+#define sbs_q4_0 sbs_none
+#define sbs_q4_0x8 sbs_none
+#define sbs_q8_0 sbs_none
+#define sbs_q4_K sbs_none
+#define sbs_q4_Kx8 sbs_none
+#define sbs_q5_K sbs_none
+#define dfk_sbb_q4_0x8 0  /* X8 rows: their group's whole next group is prefetched instead */
+#define dfk_sbb_q4_Kx8 0
 
 static inline __m256i dot_u8(__m256i q, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
@@ -102,10 +128,28 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* one chunk i of a weight row against activation rows [r0, r0 + N), into blk[] (FUSED_DOT's step) */
+#define FUSED_CHUNK(T, ZP, SIGNED, MINS, FINE, N)                                                      \
+    {                                                                                                  \
+        __m256i qv;                                                                                    \
+        __m256 sv, ov = _mm256_setzero_ps();                                                           \
+        dec_##T(row, rr, i, sb, &qv, &sv, &ov);                                                        \
+        for (int r = 0; r < N; r++) {                                                                  \
+            const size_t ro = (size_t) (r0 + r);                                                       \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->xq + ro * kp + 32 * i));       \
+            const float * xl = a->xsl + ro * (kp / 4) + 8 * i;                                         \
+            __m256i d = SIGNED ? dot_s8(qv, xv) : dot_u8(qv, xv);                                      \
+            if (ZP) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *) xl));                 \
+            const __m256 sd = FINE ? _mm256_mul_ps(sv, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * i])) : sv;\
+            blk[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, blk[r]);                               \
+            if (MINS) blk[r] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xl), blk[r]);                       \
+        }                                                                                              \
+    }
+
 /* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  ZP: the type's
  * zero point enters the integer dot from the activations' lane sums; SIGNED: Q8_0's sign trick;
  * MINS: float minima; FINE: a scale per 32 activations, else per 256 (a block's sum scaled once). */
-#define FUSED_DOT(T, ZP, SIGNED, MINS, FINE, N)                                                        \
+#define FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, N)                                                      \
     static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
                                       float * y, size_t y_stride) {                                    \
         __m256 acc[N], blk[N];                                                                         \
@@ -113,20 +157,13 @@ static inline float hsum(__m256 v) {
         const int64_t kp = a->kp, nch = a->k / 32;                                                     \
         for (int64_t i0 = 0; i0 < nch; i0 += 8) {                                                      \
             for (int r = 0; r < N; r++) blk[r] = _mm256_setzero_ps();                                  \
-            for (int64_t i = i0; i < i0 + 8 && i < nch; i++) {                                         \
-                __m256i qv;                                                                            \
-                __m256 sv, ov = _mm256_setzero_ps();                                                   \
-                dec_##T(row, rr, i, &qv, &sv, &ov);                                                    \
-                for (int r = 0; r < N; r++) {                                                          \
-                    const size_t ro = (size_t) (r0 + r);                                               \
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->xq + ro * kp + 32 * i)); \
-                    const float * xl = a->xsl + ro * (kp / 4) + 8 * i;                                 \
-                    __m256i d = SIGNED ? dot_s8(qv, xv) : dot_u8(qv, xv);                              \
-                    if (ZP) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *) xl));         \
-                    const __m256 sd = FINE ? _mm256_mul_ps(sv, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * i])) : sv; \
-                    blk[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, blk[r]);                       \
-                    if (MINS) blk[r] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xl), blk[r]);               \
-                }                                                                                      \
+            const struct sbs sb = sbs_##T(row, i0);                                                    \
+            if (!X8 && r0 == 0) dfk_prefetch(row + (size_t) (i0 / 8) * dfk_sbb_##T + DFK_PF_AHEAD, dfk_sbb_##T); \
+            if (i0 + 8 <= nch) {  /* a whole block: unrolled, each chunk's place in it known */  \
+                _Pragma("GCC unroll 8")                                                                \
+                for (int64_t i = i0; i < i0 + 8; i++) FUSED_CHUNK(T, ZP, SIGNED, MINS, FINE, N)        \
+            } else {                                                                                   \
+                for (int64_t i = i0; i < nch; i++) FUSED_CHUNK(T, ZP, SIGNED, MINS, FINE, N)           \
             }                                                                                          \
             for (int r = 0; r < N; r++)                                                                \
                 acc[r] = FINE ? _mm256_add_ps(acc[r], blk[r])                                          \
@@ -136,10 +173,54 @@ static inline float hsum(__m256 v) {
             *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = hsum(acc[r]);                     \
     }
 
+/* rows [r0, r0 + N) against weight row `row` in integers within a superblock (Q6_K): each chunk's signed
+ * values times the activations by the sign trick, pairs times their sub-block's scale into int32 lanes,
+ * the superblock's int32 sum times d and the activation block's scale once; per (r, c) the same
+ * sequence whatever N */
+#define INT_DOT(T, N)                                                                                  \
+    static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
+                                      float * y, size_t y_stride) {                                    \
+        __m256 acc[N];                                                                                 \
+        __m256i ib[N];                                                                                 \
+        for (int r = 0; r < N; r++) acc[r] = _mm256_setzero_ps();                                      \
+        const int64_t kp = a->kp, nch = a->k / 32;                                                     \
+        for (int64_t i0 = 0; i0 < nch; i0 += 8) {                                                      \
+            for (int r = 0; r < N; r++) ib[r] = _mm256_setzero_si256();                                \
+            const struct sbs sb = sbs_##T(row, i0);                                                    \
+            if (r0 == 0) dfk_prefetch(row + (size_t) (i0 / 8) * dfk_sbb_##T + DFK_PF_AHEAD, dfk_sbb_##T); \
+            _Pragma("GCC unroll 8")                                                                   \
+            for (int64_t i = i0; i < i0 + 8; i++) {                                                    \
+                __m256i qv, sc;                                                                        \
+                dec_##T(row, rr, i, sb, &qv, &sc);                                                     \
+                const __m256i qa = _mm256_abs_epi8(qv);                                                \
+                for (int r = 0; r < N; r++) {                                                          \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *) (a->xq + (size_t) (r0 + r) * kp + 32 * i)); \
+                    ib[r] = _mm256_add_epi32(ib[r], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(xv, qv)), sc)); \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < N; r++)                                                                \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r]),                                    \
+                                         _mm256_mul_ps(sb.hi, _mm256_set1_ps(a->dxl[(size_t) (r0 + r) * (kp / 4) + i0 / 8])), acc[r]); \
+        }                                                                                              \
+        for (int r = 0; r < N; r++)                                                                    \
+            *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = hsum(acc[r]);                     \
+    }
+
+#define FDOT_SWITCH(T)                                                                                 \
+    static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
+                                float * y, size_t y_stride) {                                          \
+        switch (m) {                                                                                   \
+        case 1: fdot_##T##_1(row, rr, a, r0, y, y_stride); break;                                      \
+        case 2: fdot_##T##_2(row, rr, a, r0, y, y_stride); break;                                      \
+        case 3: fdot_##T##_3(row, rr, a, r0, y, y_stride); break;                                      \
+        default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
+        }                                                                                              \
+    }
+
 /* four rows at a time: sixteen registers hold four accumulators, four block sums and the decoded chunk */
 #define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE, X8)                                                      \
-    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
-    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 2)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 4)                    \
     static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
                                 float * y, size_t y_stride) {                                          \
         switch (m) {                                                                                   \
@@ -149,16 +230,19 @@ static inline float hsum(__m256 v) {
         default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }                                                                                                  \
-    DFK_FMUL(T, X8, 4, 0)
+    DFK_FMUL(T, X8, 4, 1)
 
 /*         type    ZP SIGNED MINS FINE X8 */
 FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)
 FUSED_TYPE(q8_0,   0, 1,     0,   1,   0)
 FUSED_TYPE(q4_K,   0, 0,     1,   0,   0)
 FUSED_TYPE(q5_K,   0, 0,     1,   0,   0)
-FUSED_TYPE(q6_K,   1, 0,     0,   0,   0)
 FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
 FUSED_TYPE(q4_Kx8, 0, 0,     1,   0,   1)
+
+INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)
+FDOT_SWITCH(q6_K)
+DFK_FMUL(q6_K, 0, 4, 1)
 
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8

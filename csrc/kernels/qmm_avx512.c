@@ -95,17 +95,32 @@ static inline __m512 sbs_none(const uint8_t * row, int64_t i0) { return _mm512_s
 #define sbs_q4_K sbs_none
 #define sbs_q5_K sbs_none
 
-/* bytes of 256 values (4 chunks) of each type: the stream fdot_T prefetches */
-#define sbb_q4_0 144
-#define sbb_q8_0 272
-#define sbb_q4_K 144
-#define sbb_q5_K 176
-#define sbb_q6_K 210
-
 
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
     dfk_quantize(t, true, x, x_stride, a, r0, r1);
 }
+
+/* one chunk i of a weight row against activation rows [r0, r0 + N), into blk[] (FUSED_DOT's step) */
+#define FUSED_CHUNK(T, MINS, FINE, N)                                                                  \
+    {                                                                                                  \
+        __m512i qv;                                                                                    \
+        __m512 sv, ov;                                                                                 \
+        dec_##T(row, rr, i, sbv, &qv, &sv, &ov);                                                       \
+        for (int r = 0; r < N; r++) {                                                                  \
+            const size_t ro = (size_t) (r0 + r);                                                       \
+            const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));          \
+            const float * xl = a->xsl + ro * (kp / 4) + 16 * i;                                        \
+            if (MINS) {                                                                                \
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);                 \
+                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                           \
+                blk[r] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xl), blk[r]);                             \
+            } else {                                                                                   \
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *) xl), qv, xv);  \
+                const __m512 sd = FINE ? _mm512_mul_ps(sv, _mm512_loadu_ps(a->dxl + ro * (kp / 4) + 16 * i)) : sv;\
+                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, blk[r]);                           \
+            }                                                                                          \
+        }                                                                                              \
+    }
 
 /* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  FINE: a scale
  * per 32 activations (one multiply more a lane); MINS: float minima (one multiply-add more). */
@@ -118,25 +133,12 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
         for (int64_t i0 = 0; i0 < nch; i0 += 4) {                                                      \
             for (int r = 0; r < N; r++) blk[r] = _mm512_setzero_ps();                                  \
             const __m512 sbv = sbs_##T(row, i0);                                                       \
-            if (r0 == 0) dfk_prefetch(row + (size_t) (i0 / 4) * sbb_##T + DFK_PF_AHEAD, sbb_##T);      \
-            for (int64_t i = i0; i < i0 + 4 && i < nch; i++) {                                         \
-                __m512i qv;                                                                            \
-                __m512 sv, ov;                                                                         \
-                dec_##T(row, rr, i, sbv, &qv, &sv, &ov);                                               \
-                for (int r = 0; r < N; r++) {                                                          \
-                    const size_t ro = (size_t) (r0 + r);                                               \
-                    const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));  \
-                    const float * xl = a->xsl + ro * (kp / 4) + 16 * i;                                \
-                    if (MINS) {                                                                        \
-                        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);         \
-                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                   \
-                        blk[r] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xl), blk[r]);                     \
-                    } else {                                                                           \
-                        const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *) xl), qv, xv); \
-                        const __m512 sd = FINE ? _mm512_mul_ps(sv, _mm512_loadu_ps(a->dxl + ro * (kp / 4) + 16 * i)) : sv; \
-                        blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, blk[r]);                   \
-                    }                                                                                  \
-                }                                                                                      \
+            if (r0 == 0) dfk_prefetch(row + (size_t) (i0 / 4) * dfk_sbb_##T + DFK_PF_AHEAD, dfk_sbb_##T); \
+            if (i0 + 4 <= nch) {  /* a whole block: unrolled, each chunk's place in it known */        \
+                _Pragma("GCC unroll 4")                                                                \
+                for (int64_t i = i0; i < i0 + 4; i++) FUSED_CHUNK(T, MINS, FINE, N)                    \
+            } else {                                                                                   \
+                for (int64_t i = i0; i < nch; i++) FUSED_CHUNK(T, MINS, FINE, N)                       \
             }                                                                                          \
             for (int r = 0; r < N; r++)                                                                \
                 acc[r] = FINE ? _mm512_add_ps(acc[r], blk[r])                                          \

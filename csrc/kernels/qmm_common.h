@@ -108,6 +108,12 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
 #ifndef DFK_PF_AHEAD
 #define DFK_PF_AHEAD 2048  /* bytes ahead of the kernels that prefetch their own stream */
 #endif
+/* bytes of 256 values of each standard type: the stream fdot_T prefetches, 256 values at a time */
+#define dfk_sbb_q4_0 144
+#define dfk_sbb_q8_0 272
+#define dfk_sbb_q4_K 144
+#define dfk_sbb_q5_K 176
+#define dfk_sbb_q6_K 210
 static inline void dfk_prefetch(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
