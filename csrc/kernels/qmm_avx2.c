@@ -58,16 +58,6 @@ static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, struct sbs s
     k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
 }
 
-static inline void dec_q4_Kx8(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
-    const uint8_t * p = row + (size_t) (i / 8) * 1152;
-    const int j = (int) (i % 8), c = j / 2;
-    const uint8_t * qs = p + 128 + 8 * rr + 256 * c;  /* pieces 4c .. 4c+3 of row rr: 64 bytes apart */
-    uint64_t v0, v1, v2, v3;
-    memcpy(&v0, qs, 8); memcpy(&v1, qs + 64, 8); memcpy(&v2, qs + 128, 8); memcpy(&v3, qs + 192, 8);
-    *q = half_nibbles(_mm256_set_epi64x((long long) v3, (long long) v2, (long long) v1, (long long) v0), j & 1);
-    k4_scale(p + 32 + 12 * j, rr, h2f_at(p + 2 * rr), h2f_at(p + 16 + 2 * rr), s, o);
-}
-
 static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * blk = row + (size_t) (i / 8) * 176;
     const int j = (int) (i % 8);
@@ -108,10 +98,8 @@ static inline struct sbs sbs_none(const uint8_t * row, int64_t i0) { struct sbs 
 #define sbs_q4_0x8 sbs_none
 #define sbs_q8_0 sbs_none
 #define sbs_q4_K sbs_none
-#define sbs_q4_Kx8 sbs_none
 #define sbs_q5_K sbs_none
 #define dfk_sbb_q4_0x8 0  /* X8 rows: their group's whole next group is prefetched instead */
-#define dfk_sbb_q4_Kx8 0
 
 static inline __m256i dot_u8(__m256i q, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
@@ -238,14 +226,104 @@ FUSED_TYPE(q8_0,   0, 1,     0,   1,   0)
 FUSED_TYPE(q4_K,   0, 0,     1,   0,   0)
 FUSED_TYPE(q5_K,   0, 0,     1,   0,   0)
 FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
-FUSED_TYPE(q4_Kx8, 0, 0,     1,   0,   1)
 
 INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)
 FDOT_SWITCH(q6_K)
 DFK_FMUL(q6_K, 0, 4, 1)
 
+/* Q4_K repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
+ * (rows 0..3 and 4..7 of each 64-byte piece vector).  Per superblock the 8 x 8 sub-block scales and
+ * minima are unpacked once for every activation row; per (activation row, weight row) in a fixed
+ * order: a sub-block's four piece dots summed as int16 pairs (at most 4 * 2 * 15 * 127), times its
+ * scale into int32 lanes (madd), the superblock's int32 sum times d and the activation block's scale;
+ * the minima's integer sum against the activations' 32-value sums times -dmin and that scale, kept
+ * apart; the lane pairs and that sum added at the end. */
+static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_act * a, int r0, int n, float * y,
+                              size_t y_stride) {
+    __m256 acc[4][2], accm[4];
+    for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = accm[r] = _mm256_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m128i rep_lo = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128i rep_hi = _mm_set_epi8(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t * p = g + (size_t) sb * 1152;
+        if (r0 == 0) dfk_prefetch(p + DFK_PF_AHEAD, 1152);  /* the groups follow each other: one stream */
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+        const __m256 dm8 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 16))));
+        /* d of rows 0..3 and 4..7 in lane pairs */
+        const __m256 dlo = _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+        const __m256 dhi = _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4));
+        /* sub-block s's 6-bit scales and minima, a row a byte (rows 0..7) */
+        uint64_t sc8[8], m8[8];
+        for (int s = 0; s < 8; s++) {
+            uint32_t u0, u1, u2;
+            memcpy(&u0, p + 32 + 12 * s, 4); memcpy(&u1, p + 36 + 12 * s, 4); memcpy(&u2, p + 40 + 12 * s, 4);
+            const uint32_t sl = u0 & 0x3f3f3f3fu, ml = u1 & 0x3f3f3f3fu;
+            const uint32_t sh = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+            const uint32_t mh = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+            sc8[s] = sl | (uint64_t) sh << 32;
+            m8[s] = ml | (uint64_t) mh << 32;
+        }
+        __m256i sc16[8][2];  /* a row's scale in its 4 int16 lanes, rows 0..3 / 4..7 */
+        for (int s = 0; s < 8; s++) {
+            const __m128i v = _mm_cvtsi64_si128((long long) sc8[s]);
+            sc16[s][0] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, rep_lo));
+            sc16[s][1] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, rep_hi));
+        }
+        __m256i mpair[4];  /* int16 pairs (m[2t][r], m[2t+1][r]) in lane r */
+        for (int t = 0; t < 4; t++)
+            mpair[t] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128((long long) m8[2 * t]),
+                                                              _mm_cvtsi64_si128((long long) m8[2 * t + 1])));
+        __m256i is[4][2];
+        for (int r = 0; r < n; r++) is[r][0] = is[r][1] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const uint8_t * q = p + 128 + 256 * c;  /* pieces 4c .. 4c + 3, 64 bytes each */
+            for (int r = 0; r < n; r++) {
+                const int64_t * x = (const int64_t *) (a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c);
+                for (int h = 0; h < 2; h++) {
+                    __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
+                    for (int j = 0; j < 4; j++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *) (q + 64 * j + 32 * h));
+                        slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_set1_epi64x(x[j])));
+                        shi = _mm256_add_epi16(shi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                                         _mm256_set1_epi64x(x[4 + j])));
+                    }
+                    is[r][h] = _mm256_add_epi32(is[r][h], _mm256_add_epi32(_mm256_madd_epi16(slo, sc16[2 * c][h]),
+                                                                           _mm256_madd_epi16(shi, sc16[2 * c + 1][h])));
+                }
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            const size_t ro = (size_t) (r0 + r);
+            const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + sb]);
+            const int32_t * bs = (const int32_t *) (a->xbs + ro * (kp / 32) + 8 * sb);  /* sub-block sum pairs */
+            __m256i mi = _mm256_madd_epi16(mpair[0], _mm256_set1_epi32(bs[0]));
+            for (int t = 1; t < 4; t++) mi = _mm256_add_epi32(mi, _mm256_madd_epi16(mpair[t], _mm256_set1_epi32(bs[t])));
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r][0]), _mm256_mul_ps(dlo, dx), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r][1]), _mm256_mul_ps(dhi, dx), acc[r][1]);
+            accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dm8, dx), accm[r]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), _mm256_add_ps(s, accm[r]));
+    }
+}
+
+/* the repacked Q4_K kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 4
+ * activation rows at a time */
+static void fmul_q4_Kx8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, float * y,
+                             size_t y_stride) {
+    for (int64_t c = c0; c < c1; c += 8)
+        for (int r0 = 0; r0 < a->n; r0 += 4)
+            x8dot_q4_K((const uint8_t *) w + (size_t) c * w_row, a->k / 256, a, r0, a->n - r0 >= 4 ? 4 : a->n - r0,
+                       y + c, y_stride);
+}
+
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8
-#define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8
+#define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul2)
 
 static void quantize2(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
