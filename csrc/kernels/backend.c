@@ -59,6 +59,8 @@ static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
     case GGML_TYPE_Q4_K: return DFK_Q4_K;
     case GGML_TYPE_Q5_K: return DFK_Q5_K;
     case GGML_TYPE_Q6_K: return DFK_Q6_K;
+    case GGML_TYPE_Q5_0: return DFK_Q5_0;
+    case GGML_TYPE_Q4_1: return DFK_Q4_1;
     default: *ok = false; return DFK_Q4_0;
     }
 }

@@ -6,13 +6,15 @@
 size_t dfk_act_size(int64_t kp, int n) { return (size_t) n * (size_t) kp * 3 + (size_t) n * (size_t) (kp / 32) * 2; }
 
 int64_t dfk_block_values(enum dfk_wtype t) {
-    return t == DFK_Q4_0 || t == DFK_Q8_0 || t == DFK_Q4_0_X8 ? 32 : 256;
+    return t == DFK_Q4_0 || t == DFK_Q8_0 || t == DFK_Q4_0_X8 || t == DFK_Q5_0 || t == DFK_Q4_1 ? 32 : 256;
 }
 
 size_t dfk_block_bytes(enum dfk_wtype t) {
     switch (t) {
     case DFK_Q4_0: case DFK_Q4_0_X8: return 18;
     case DFK_Q8_0: return 34;
+    case DFK_Q5_0: return 22;
+    case DFK_Q4_1: return 20;
     case DFK_Q4_K: case DFK_Q4_K_X8: return 144;
     case DFK_Q5_K: return 176;
     case DFK_Q6_K: return 210;

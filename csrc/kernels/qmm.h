@@ -21,7 +21,7 @@ extern "C" {
 
 /* Q4_0_X8 / Q4_K_X8: ggml-cpu's repacked layout of those types (its CPU_REPACK buffers on x86):
  * groups of 8 rows, each block of the 8 rows interleaved 8 bytes at a time, the same bytes a row. */
-enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_Q4_0_X8, DFK_Q4_K_X8, DFK_N_WTYPES };
+enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_Q4_0_X8, DFK_Q4_K_X8, DFK_Q5_0, DFK_Q4_1, DFK_N_WTYPES };
 
 #define DFK_MAX_ROWS 16  /* activation rows one product takes */
 #define DFK_CHUNK 64     /* values per step of the widest kernel: rows are padded to a multiple */

@@ -38,6 +38,28 @@ static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, struct sbs
     *s = _mm256_set1_ps(h2f_at(p + 2 * rr));
 }
 
+/* Q5_0: Q4_0's nibbles, the 5th bit of value j from bit j of the block's qh (zero point 16) */
+static inline void dec_q5_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * b = row + (size_t) i * 22;
+    uint32_t h;
+    memcpy(&h, b + 2, 4);
+    /* byte j of the vector: byte j / 8 of qh, tested against bit j % 8 */
+    const __m256i hv = _mm256_shuffle_epi8(_mm256_set1_epi32((int) h), _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                                      0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+    *q = _mm256_or_si256(nibbles(_mm_loadu_si128((const __m128i *) (b + 6))), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    *s = _mm256_set1_ps(h2f_at(b));
+}
+
+/* Q4_1: Q4_0's nibbles, unsigned, with the block's minimum m as the offset */
+static inline void dec_q4_1(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
+    const uint8_t * b = row + (size_t) i * 20;
+    *q = nibbles(_mm_loadu_si128((const __m128i *) (b + 4)));
+    *s = _mm256_set1_ps(h2f_at(b));
+    *o = _mm256_set1_ps(h2f_at(b + 2));
+}
+
 static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * b = row + (size_t) i * 34;
     *q = _mm256_loadu_si256((const __m256i *) (b + 2));
@@ -99,6 +121,8 @@ static inline struct sbs sbs_none(const uint8_t * row, int64_t i0) { struct sbs 
 #define sbs_q8_0 sbs_none
 #define sbs_q4_K sbs_none
 #define sbs_q5_K sbs_none
+#define sbs_q5_0 sbs_none
+#define sbs_q4_1 sbs_none
 #define dfk_sbb_q4_0x8 0  /* X8 rows: their group's whole next group is prefetched instead */
 
 static inline __m256i dot_u8(__m256i q, __m256i x) {
@@ -130,7 +154,8 @@ static inline float hsum(__m256 v) {
             if (ZP) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *) xl));                 \
             const __m256 sd = FINE ? _mm256_mul_ps(sv, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * i])) : sv;\
             blk[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, blk[r]);                               \
-            if (MINS) blk[r] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xl), blk[r]);                       \
+            if (MINS) blk[r] = _mm256_fmadd_ps(FINE ? _mm256_mul_ps(ov, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * i])) : ov,\
+                                               _mm256_loadu_ps(xl), blk[r]);  /* Q4_1: FINE too */   \
         }                                                                                              \
     }
 
@@ -225,6 +250,8 @@ FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)
 FUSED_TYPE(q8_0,   0, 1,     0,   1,   0)
 FUSED_TYPE(q4_K,   0, 0,     1,   0,   0)
 FUSED_TYPE(q5_K,   0, 0,     1,   0,   0)
+FUSED_TYPE(q5_0,   1, 0,     0,   1,   0)
+FUSED_TYPE(q4_1,   0, 0,     1,   1,   0)
 FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
 
 INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)

@@ -41,6 +41,33 @@ static inline void k4_scales(const uint8_t * blk, int c, __m512 * s, __m512 * o)
     *o = two_scales(-dmin * m0, -dmin * m1);
 }
 
+/* Q5_0: Q4_0's nibbles, the 5th bit of value j from bit j of the block's qh (zero point 16) */
+static inline void dec_q5_0(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * b0 = row + (size_t) (2 * i) * 22, * b1 = b0 + 22;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *) (b1 + 6)), _mm_loadu_si128((const __m128i *) (b0 + 6)));
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4); memcpy(&h1, b1 + 2, 4);
+    const __m512i q4 = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+    *q = _mm512_mask_add_epi8(q4, _cvtu64_mask64((uint64_t) h0 | (uint64_t) h1 << 32), q4, _mm512_set1_epi8(16));
+    *s = two_scales(h2f_at(b0), h2f_at(b1));
+    *o = _mm512_setzero_ps();
+}
+
+/* Q4_1: Q4_0's nibbles, unsigned, with the block's minimum m as the offset */
+static inline void dec_q4_1(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
+    const uint8_t * b0 = row + (size_t) (2 * i) * 20, * b1 = b0 + 20;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *) (b1 + 4)), _mm_loadu_si128((const __m128i *) (b0 + 4)));
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    *q = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+    *s = two_scales(h2f_at(b0), h2f_at(b1));
+    *o = two_scales(h2f_at(b0 + 2), h2f_at(b1 + 2));
+}
+
 static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
     const uint8_t * blk = row + (size_t) (i / 4) * 144;
     const int c = (int) (i % 4);
@@ -94,6 +121,8 @@ static inline __m512 sbs_none(const uint8_t * row, int64_t i0) { return _mm512_s
 #define sbs_q8_0 sbs_none
 #define sbs_q4_K sbs_none
 #define sbs_q5_K sbs_none
+#define sbs_q5_0 sbs_none
+#define sbs_q4_1 sbs_none
 
 
 static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, const struct dfk_act * a, int r0, int r1) {
@@ -110,10 +139,11 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
             const size_t ro = (size_t) (r0 + r);                                                       \
             const __m512i xv = _mm512_loadu_si512((const void *) (a->xq + ro * kp + 64 * i));          \
             const float * xl = a->xsl + ro * (kp / 4) + 16 * i;                                        \
-            if (MINS) {                                                                                \
-                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);                 \
-                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, blk[r]);                           \
-                blk[r] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(xl), blk[r]);                             \
+            if (MINS) {  /* FINE too (Q4_1): scale and minimum times the block's activation scale */   \
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);               \
+                const __m512 dxv = FINE ? _mm512_loadu_ps(a->dxl + ro * (kp / 4) + 16 * i) : _mm512_set1_ps(1.0f);\
+                blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), FINE ? _mm512_mul_ps(sv, dxv) : sv, blk[r]);\
+                blk[r] = _mm512_fmadd_ps(FINE ? _mm512_mul_ps(ov, dxv) : ov, _mm512_loadu_ps(xl), blk[r]);\
             } else {                                                                                   \
                 const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *) xl), qv, xv);  \
                 const __m512 sd = FINE ? _mm512_mul_ps(sv, _mm512_loadu_ps(a->dxl + ro * (kp / 4) + 16 * i)) : sv;\
@@ -172,6 +202,8 @@ FUSED_TYPE(q8_0, 0, 1, 0)
 FUSED_TYPE(q4_K, 1, 0, 0)
 FUSED_TYPE(q5_K, 1, 0, 0)
 FUSED_TYPE(q6_K, 0, 0, 0)
+FUSED_TYPE(q5_0, 0, 1, 0)
+FUSED_TYPE(q4_1, 1, 1, 0)
 
 /* a group's 8 outputs per activation row: lane 2k + lane 2k+1 */
 static inline void x8_store(const __m512 * acc, int n, int r0, float * y, size_t y_stride) {

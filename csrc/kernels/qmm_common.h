@@ -16,6 +16,8 @@
 
 typedef struct { uint16_t d; uint8_t qs[16]; } blk_q4_0;
 typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;  /* value j: bit j of qh the 5th bit */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } blk_q4_1;                /* value d * q + m */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_K;
@@ -60,16 +62,25 @@ static inline void x8_block_q4_K(const uint8_t * g, int64_t b, int r, blk_q4_K *
     }
 }
 /* Activations (struct dfk_act): xq int8 values, scaled as ggml scales them for the type: per 32
- * values for Q4_0 / Q8_0 (its Q8_0 activations; dxl holds the scale per 4-value lane), per 256 for
- * the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a block's sum once instead of every
- * lane product).  xsl per lane: the lane's integer sum times minus the type's zero point (8, 128,
- * 32: the start of the lane's integer dot; q8_biased: Q8_0 stored as w + 128, else signed), or for the types with float minima (Q4_K, Q5_K) the
- * lane sum as a float.  xbs: the integer sum of every 32 values (|sum| <= 32 * 127). */
+ * values for the 32-value block types, Q4_0 / Q8_0 / Q5_0 / Q4_1 (its Q8_0 activations; dxl holds the
+ * scale per 4-value lane), per 256 for the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a
+ * block's sum once instead of every lane product).  xsl per lane: the lane's integer sum times minus
+ * the type's zero point (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128: the start of the lane's integer dot;
+ * q8_biased: Q8_0 stored as w + 128, else signed), or for the types with float minima (Q4_K, Q5_K,
+ * Q4_1) the lane sum as a float.  xbs: the integer sum of every 32 values (|sum| <= 32 * 127). */
 static inline int dfk_zero_point(enum dfk_wtype t, bool q8_biased) {
-    return t == DFK_Q4_0 || t == DFK_Q4_0_X8 ? 8 : t == DFK_Q8_0 ? (q8_biased ? 128 : 0) : t == DFK_Q6_K ? 32 : 0;
+    switch (t) {
+    case DFK_Q4_0: case DFK_Q4_0_X8: return 8;
+    case DFK_Q5_0: return 16;
+    case DFK_Q6_K: return 32;
+    case DFK_Q8_0: return q8_biased ? 128 : 0;
+    default: return 0;
+    }
 }
 
-static inline bool dfk_fine_scales(enum dfk_wtype t) { return t == DFK_Q4_0 || t == DFK_Q4_0_X8 || t == DFK_Q8_0; }
+static inline bool dfk_fine_scales(enum dfk_wtype t) {
+    return t == DFK_Q4_0 || t == DFK_Q4_0_X8 || t == DFK_Q8_0 || t == DFK_Q5_0 || t == DFK_Q4_1;
+}
 
 static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size_t x_stride, const struct dfk_act * a,
                          int r0, int r1) {
@@ -114,6 +125,8 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
 #define dfk_sbb_q4_K 144
 #define dfk_sbb_q5_K 176
 #define dfk_sbb_q6_K 210
+#define dfk_sbb_q5_0 176
+#define dfk_sbb_q4_1 160
 static inline void dfk_prefetch(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
@@ -144,6 +157,8 @@ static inline void dfk_prefetch(const uint8_t * p, size_t n) {
         case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q5_0: fmul_q5_0(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q4_1: fmul_q4_1(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q4_0_X8: DFK_FMUL_Q4_0_X8(w, w_row, c0, c1, a, y, y_stride); break;                   \
         case DFK_Q4_K_X8: DFK_FMUL_Q4_K_X8(w, w_row, c0, c1, a, y, y_stride); break;                   \
         default: break;                                                                                \
