@@ -66,18 +66,26 @@ static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, struct sbs s
     *s = _mm256_set1_ps(h2f_at(b));
 }
 
-static inline void k4_scale(const uint8_t * scales, int j, float d, float dmin, __m256 * s, __m256 * o) {
-    uint8_t sc, m;
-    scale_min_k4(j, scales, &sc, &m);
-    *s = _mm256_set1_ps(d * sc);
-    *o = _mm256_set1_ps(-dmin * m);
+/* Q4_K / Q5_K: a superblock's 8 sub-block scales times d (lo) and minima times -dmin (hi), once a
+ * superblock; chunk j takes sub-block j */
+static inline struct sbs sbs_k4(const uint8_t * blk) {
+    uint64_t sc, m;
+    scales_mins_k4(blk + 4, &sc, &m);
+    struct sbs r = { _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long) sc))), _mm256_set1_ps(h2f_at(blk))),
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long) m))), _mm256_set1_ps(-h2f_at(blk + 2))) };
+    return r;
+}
+
+static inline void k4_scale(struct sbs sb, int j, __m256 * s, __m256 * o) {
+    *s = _mm256_permutevar8x32_ps(sb.lo, _mm256_set1_epi32(j));
+    *o = _mm256_permutevar8x32_ps(sb.hi, _mm256_set1_epi32(j));
 }
 
 static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * blk = row + (size_t) (i / 8) * 144;
     const int j = (int) (i % 8);
     *q = half_nibbles(_mm256_loadu_si256((const __m256i *) (blk + 16 + 32 * (j / 2))), j & 1);
-    k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
+    k4_scale(sb, j, s, o);
 }
 
 static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
@@ -87,7 +95,7 @@ static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, struct sbs s
     const __m256i h = _mm256_loadu_si256((const __m256i *) (blk + 16));
     const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4);
     *q = _mm256_or_si256(low, hb);
-    k4_scale(blk + 4, j, h2f_at(blk), h2f_at(blk + 2), s, o);
+    k4_scale(sb, j, s, o);
 }
 
 /* Q6_K, in integers within a superblock: its 16 int8 sub-block scales as int16 (lo, cast) and d (hi),
@@ -116,11 +124,11 @@ static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, struct sbs s
 }
 
 static inline struct sbs sbs_none(const uint8_t * row, int64_t i0) { struct sbs r = { _mm256_setzero_ps(), _mm256_setzero_ps() }; return r; }
+static inline struct sbs sbs_q4_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 8) * 144); }
+static inline struct sbs sbs_q5_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 8) * 176); }
 #define sbs_q4_0 sbs_none
 #define sbs_q4_0x8 sbs_none
 #define sbs_q8_0 sbs_none
-#define sbs_q4_K sbs_none
-#define sbs_q5_K sbs_none
 #define sbs_q5_0 sbs_none
 #define sbs_q4_1 sbs_none
 #define dfk_sbb_q4_0x8 0  /* X8 rows: their group's whole next group is prefetched instead */

@@ -32,13 +32,19 @@ static inline void dec_q8_0(const uint8_t * row, int rr, int64_t i, __m512 sbv, 
     *o = _mm512_mul_ps(*s, _mm512_set1_ps(-128.0f));
 }
 
-static inline void k4_scales(const uint8_t * blk, int c, __m512 * s, __m512 * o) {
-    const float d = h2f_at(blk), dmin = h2f_at(blk + 2);
-    uint8_t sc0, m0, sc1, m1;
-    scale_min_k4(2 * c, blk + 4, &sc0, &m0);
-    scale_min_k4(2 * c + 1, blk + 4, &sc1, &m1);
-    *s = two_scales(d * sc0, d * sc1);
-    *o = two_scales(-dmin * m0, -dmin * m1);
+/* Q4_K / Q5_K: a superblock's 8 sub-block scales times d (lanes 0..7) and minima times -dmin (8..15),
+ * once a superblock (sbv); chunk c takes sub-blocks 2c and 2c + 1 */
+static inline __m512 sbs_k4(const uint8_t * blk) {
+    uint64_t sc, m;
+    scales_mins_k4(blk + 4, &sc, &m);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long) m, (long long) sc)));
+    return _mm512_mul_ps(v, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f_at(blk)), _mm512_set1_ps(-h2f_at(blk + 2))));
+}
+
+static inline void k4_scales(__m512 sbv, int c, __m512 * s, __m512 * o) {
+    const __m512i pick = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_set1_epi32(2 * c));
+    *s = _mm512_permutexvar_ps(pick, sbv);
+    *o = _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(8)), sbv);
 }
 
 /* Q5_0: Q4_0's nibbles, the 5th bit of value j from bit j of the block's qh (zero point 16) */
@@ -75,7 +81,7 @@ static inline void dec_q4_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, 
     const __m256i v = _mm256_loadu_si256((const __m256i *) (blk + 16 + 32 * c));
     *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
                             _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
-    k4_scales(blk, c, s, o);
+    k4_scales(sbv, c, s, o);
 }
 
 static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, __m512i * q, __m512 * s, __m512 * o) {
@@ -88,7 +94,7 @@ static inline void dec_q5_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, 
     const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4);
     *q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(v, m4), hl)),
                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hh), 1);
-    k4_scales(blk, c, s, o);
+    k4_scales(sbv, c, s, o);
 }
 
 /* Q6_K: the 16 sub-block scales of superblock i0 / 4 times d, once a superblock (sbv) */
@@ -117,10 +123,10 @@ static inline void dec_q6_K(const uint8_t * row, int rr, int64_t i, __m512 sbv, 
 }
 
 static inline __m512 sbs_none(const uint8_t * row, int64_t i0) { return _mm512_setzero_ps(); }
+static inline __m512 sbs_q4_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 4) * 144); }
+static inline __m512 sbs_q5_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 4) * 176); }
 #define sbs_q4_0 sbs_none
 #define sbs_q8_0 sbs_none
-#define sbs_q4_K sbs_none
-#define sbs_q5_K sbs_none
 #define sbs_q5_0 sbs_none
 #define sbs_q4_1 sbs_none
 

@@ -36,6 +36,16 @@ static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * sc, uint8_t 
 }
 
 
+/* Q4_K / Q5_K: all 8 sub-blocks' 6-bit scales (sc, bytes 0..7) and minima (m) of one 12-byte pack */
+static inline void scales_mins_k4(const uint8_t * q, uint64_t * sc, uint64_t * m) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, q, 4); memcpy(&u1, q + 4, 4); memcpy(&u2, q + 8, 4);
+    const uint32_t sh = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+    const uint32_t mh = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+    *sc = (u0 & 0x3f3f3f3fu) | (uint64_t) sh << 32;
+    *m = (u1 & 0x3f3f3f3fu) | (uint64_t) mh << 32;
+}
+
 /* Repacked (X8) groups: the standard block b of row r (0..7) of a group starting at g.  Q4_0x8: d[8],
  * then the 8 rows' 16 bytes in 8-byte pieces (piece j of row r at 8 * (8j + r)), nibbles XOR 8;
  * Q4_Kx8: d[8], dmin[8], scales[96] (sub-block j's 8 rows packed like one Q4_K's 12 bytes, at
