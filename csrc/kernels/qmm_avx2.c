@@ -21,24 +21,13 @@ static inline __m256i half_nibbles(__m256i v, int high) {
     return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, m4);
 }
 
-/* decoders: chunk i (values 32i .. 32i+31) of a weight row -> q, scale s and offset o (8 lanes);
- * X8 rows: `row` is the group's start, rr the row in it */
+/* decoders: chunk i (values 32i .. 32i+31) of a weight row -> q, scale s and offset o (8 lanes) */
 static inline void dec_q4_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * b = row + (size_t) i * 18;
     *q = nibbles(_mm_loadu_si128((const __m128i *) (b + 2)));
     *s = _mm256_set1_ps(h2f_at(b));
 }
 
-static inline void dec_q4_0x8(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
-    const uint8_t * p = row + (size_t) i * 144;
-    uint64_t lo, hi;
-    memcpy(&lo, p + 16 + 8 * rr, 8);
-    memcpy(&hi, p + 16 + 64 + 8 * rr, 8);
-    *q = nibbles(_mm_xor_si128(_mm_set_epi64x((long long) hi, (long long) lo), _mm_set1_epi8((char) 0x88)));
-    *s = _mm256_set1_ps(h2f_at(p + 2 * rr));
-}
-
-/* Q5_0: Q4_0's nibbles, the 5th bit of value j from bit j of the block's qh (zero point 16) */
 static inline void dec_q5_0(const uint8_t * row, int rr, int64_t i, struct sbs sb, __m256i * q, __m256 * s, __m256 * o) {
     const uint8_t * b = row + (size_t) i * 22;
     uint32_t h;
@@ -127,11 +116,9 @@ static inline struct sbs sbs_none(const uint8_t * row, int64_t i0) { struct sbs 
 static inline struct sbs sbs_q4_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 8) * 144); }
 static inline struct sbs sbs_q5_K(const uint8_t * row, int64_t i0) { return sbs_k4(row + (size_t) (i0 / 8) * 176); }
 #define sbs_q4_0 sbs_none
-#define sbs_q4_0x8 sbs_none
 #define sbs_q8_0 sbs_none
 #define sbs_q5_0 sbs_none
 #define sbs_q4_1 sbs_none
-#define dfk_sbb_q4_0x8 0  /* X8 rows: their group's whole next group is prefetched instead */
 
 static inline __m256i dot_u8(__m256i q, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
@@ -170,7 +157,7 @@ static inline float hsum(__m256 v) {
 /* rows [r0, r0 + N) against weight row `row`: per (r, c) the same sequence whatever N.  ZP: the type's
  * zero point enters the integer dot from the activations' lane sums; SIGNED: Q8_0's sign trick;
  * MINS: float minima; FINE: a scale per 32 activations, else per 256 (a block's sum scaled once). */
-#define FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, N)                                                      \
+#define FUSED_DOT(T, ZP, SIGNED, MINS, FINE, N)                                                          \
     static inline void fdot_##T##_##N(const uint8_t * row, int rr, const struct dfk_act * a, int r0,    \
                                       float * y, size_t y_stride) {                                    \
         __m256 acc[N], blk[N];                                                                         \
@@ -179,7 +166,7 @@ static inline float hsum(__m256 v) {
         for (int64_t i0 = 0; i0 < nch; i0 += 8) {                                                      \
             for (int r = 0; r < N; r++) blk[r] = _mm256_setzero_ps();                                  \
             const struct sbs sb = sbs_##T(row, i0);                                                    \
-            if (!X8 && r0 == 0) dfk_prefetch(row + (size_t) (i0 / 8) * dfk_sbb_##T + DFK_PF_AHEAD, dfk_sbb_##T); \
+            if (r0 == 0) dfk_prefetch(row + (size_t) (i0 / 8) * dfk_sbb_##T + DFK_PF_AHEAD, dfk_sbb_##T); \
             if (i0 + 8 <= nch) {  /* a whole block: unrolled, each chunk's place in it known */  \
                 _Pragma("GCC unroll 8")                                                                \
                 for (int64_t i = i0; i < i0 + 8; i++) FUSED_CHUNK(T, ZP, SIGNED, MINS, FINE, N)        \
@@ -239,9 +226,9 @@ static inline float hsum(__m256 v) {
     }
 
 /* four rows at a time: sixteen registers hold four accumulators, four block sums and the decoded chunk */
-#define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE, X8)                                                      \
-    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 2)                    \
-    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, X8, 4)                    \
+#define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE)                                                          \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
     static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
                                 float * y, size_t y_stride) {                                          \
         switch (m) {                                                                                   \
@@ -251,20 +238,68 @@ static inline float hsum(__m256 v) {
         default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }                                                                                                  \
-    DFK_FMUL(T, X8, 4, 1)
+    DFK_FMUL(T, 4)
 
-/*         type    ZP SIGNED MINS FINE X8 */
-FUSED_TYPE(q4_0,   1, 0,     0,   1,   0)
-FUSED_TYPE(q8_0,   0, 1,     0,   1,   0)
-FUSED_TYPE(q4_K,   0, 0,     1,   0,   0)
-FUSED_TYPE(q5_K,   0, 0,     1,   0,   0)
-FUSED_TYPE(q5_0,   1, 0,     0,   1,   0)
-FUSED_TYPE(q4_1,   0, 0,     1,   1,   0)
-FUSED_TYPE(q4_0x8, 1, 0,     0,   1,   1)
+/*         type    ZP SIGNED MINS FINE */
+FUSED_TYPE(q4_0,   1, 0,     0,   1)
+FUSED_TYPE(q8_0,   0, 1,     0,   1)
+FUSED_TYPE(q4_K,   0, 0,     1,   0)
+FUSED_TYPE(q5_K,   0, 0,     1,   0)
+FUSED_TYPE(q5_0,   1, 0,     0,   1)
+FUSED_TYPE(q4_1,   0, 0,     1,   1)
 
 INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)
 FDOT_SWITCH(q6_K)
-DFK_FMUL(q6_K, 0, 4, 1)
+DFK_FMUL(q6_K, 4)
+
+/* Q4_0 repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
+ * (rows 0..3 and 4..7 of each 64-byte piece vector).  Per (activation row, weight row) in a fixed
+ * order: a block's four piece dots summed as int16 pairs (at most 4 * 2 * 15 * 127), into an int32
+ * lane pair that starts at the zero point's term (the activations' lane sums), times the row's d
+ * and the activation block's scale into a float lane pair; the pair summed at the end. */
+static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_act * a, int r0, int n, float * y,
+                              size_t y_stride) {
+    __m256 acc[4][2];
+    for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m256i m4 = _mm256_set1_epi8(15), x88 = _mm256_set1_epi8((char) 0x88), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t * p = g + (size_t) b * 144;
+        if (r0 == 0) dfk_prefetch(p + DFK_PF_AHEAD, 144);  /* the groups follow each other: one stream */
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+        const __m256 dw[2] = { _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0)),
+                               _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4)) };
+        __m256i lo[2][2], hi[2][2];  /* [half][piece] */
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 2; j++) {
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) (p + 16 + 64 * j + 32 * h)), x88);
+                lo[h][j] = _mm256_and_si256(v, m4);
+                hi[h][j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        for (int r = 0; r < n; r++) {
+            const size_t ro = (size_t) (r0 + r);
+            const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
+            const int32_t * xc = (const int32_t *) a->xsl + ro * (kp / 4) + 8 * b;
+            const int64_t c0 = (int64_t) (uint32_t) (xc[0] + xc[2] + xc[4] + xc[6]);
+            const int64_t c1 = (int64_t) (uint32_t) (xc[1] + xc[3] + xc[5] + xc[7]);
+            const __m256i zp = _mm256_set1_epi64x(c0 | (c1 << 32));
+            const __m256i x0 = _mm256_set1_epi64x(x[0]), x1 = _mm256_set1_epi64x(x[1]);
+            const __m256i x2 = _mm256_set1_epi64x(x[2]), x3 = _mm256_set1_epi64x(x[3]);
+            const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[h][0], x0), _mm256_maddubs_epi16(lo[h][1], x1)),
+                                                   _mm256_add_epi16(_mm256_maddubs_epi16(hi[h][0], x2), _mm256_maddubs_epi16(hi[h][1], x3)));
+                const __m256i d = _mm256_add_epi32(zp, _mm256_madd_epi16(s, ones));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(dw[h], dx), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), s);
+    }
+}
 
 /* Q4_K repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
  * (rows 0..3 and 4..7 of each 64-byte piece vector).  Per superblock the 8 x 8 sub-block scales and
@@ -291,15 +326,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
         const __m256 dhi = _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4));
         /* sub-block s's 6-bit scales and minima, a row a byte (rows 0..7) */
         uint64_t sc8[8], m8[8];
-        for (int s = 0; s < 8; s++) {
-            uint32_t u0, u1, u2;
-            memcpy(&u0, p + 32 + 12 * s, 4); memcpy(&u1, p + 36 + 12 * s, 4); memcpy(&u2, p + 40 + 12 * s, 4);
-            const uint32_t sl = u0 & 0x3f3f3f3fu, ml = u1 & 0x3f3f3f3fu;
-            const uint32_t sh = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
-            const uint32_t mh = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
-            sc8[s] = sl | (uint64_t) sh << 32;
-            m8[s] = ml | (uint64_t) mh << 32;
-        }
+        for (int s = 0; s < 8; s++) scales_mins_k4(p + 32 + 12 * s, &sc8[s], &m8[s]);  /* a row a byte */
         __m256i sc16[8][2];  /* a row's scale in its 4 int16 lanes, rows 0..3 / 4..7 */
         for (int s = 0; s < 8; s++) {
             const __m128i v = _mm_cvtsi64_si128((long long) sc8[s]);
@@ -347,17 +374,21 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
     }
 }
 
-/* the repacked Q4_K kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 4
- * activation rows at a time */
-static void fmul_q4_Kx8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, float * y,
-                             size_t y_stride) {
-    for (int64_t c = c0; c < c1; c += 8)
-        for (int r0 = 0; r0 < a->n; r0 += 4)
-            x8dot_q4_K((const uint8_t *) w + (size_t) c * w_row, a->k / 256, a, r0, a->n - r0 >= 4 ? 4 : a->n - r0,
-                       y + c, y_stride);
-}
+/* a repacked type's kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 4
+ * activation rows at a time through x8dot_T over the row's BV-value blocks */
+#define X8_FMUL(T, BV)                                                                                 \
+    static void fmul_##T##x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1,                \
+                                  const struct dfk_act * a, float * y, size_t y_stride) {              \
+        for (int64_t c = c0; c < c1; c += 8)                                                           \
+            for (int r0 = 0; r0 < a->n; r0 += 4)                                                       \
+                x8dot_##T((const uint8_t *) w + (size_t) c * w_row, a->k / BV, a, r0,                  \
+                          a->n - r0 >= 4 ? 4 : a->n - r0, y + c, y_stride);                            \
+    }
 
-#define DFK_FMUL_Q4_0_X8 fmul_q4_0x8
+X8_FMUL(q4_0, 32)
+X8_FMUL(q4_K, 256)
+
+#define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul2)
 

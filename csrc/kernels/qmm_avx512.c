@@ -184,7 +184,7 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
             *(float *) ((char *) y + (size_t) (r0 + r) * y_stride) = _mm512_reduce_add_ps(acc[r]);     \
     }
 
-#define FUSED_TYPE(T, MINS, FINE, X8)                                                                  \
+#define FUSED_TYPE(T, MINS, FINE)                                                                      \
     FUSED_DOT(T, MINS, FINE, 1) FUSED_DOT(T, MINS, FINE, 2) FUSED_DOT(T, MINS, FINE, 3)                \
     FUSED_DOT(T, MINS, FINE, 4) FUSED_DOT(T, MINS, FINE, 5) FUSED_DOT(T, MINS, FINE, 6)                \
     FUSED_DOT(T, MINS, FINE, 7) FUSED_DOT(T, MINS, FINE, 8)                                            \
@@ -201,15 +201,15 @@ static void quantize512(enum dfk_wtype t, const float * x, size_t x_stride, cons
         default: fdot_##T##_8(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }                                                                                                  \
-    DFK_FMUL(T, X8, 8, 1)
+    DFK_FMUL(T, 8)
 
-FUSED_TYPE(q4_0, 0, 1, 0)
-FUSED_TYPE(q8_0, 0, 1, 0)
-FUSED_TYPE(q4_K, 1, 0, 0)
-FUSED_TYPE(q5_K, 1, 0, 0)
-FUSED_TYPE(q6_K, 0, 0, 0)
-FUSED_TYPE(q5_0, 0, 1, 0)
-FUSED_TYPE(q4_1, 1, 1, 0)
+FUSED_TYPE(q4_0, 0, 1)
+FUSED_TYPE(q8_0, 0, 1)
+FUSED_TYPE(q4_K, 1, 0)
+FUSED_TYPE(q5_K, 1, 0)
+FUSED_TYPE(q6_K, 0, 0)
+FUSED_TYPE(q5_0, 0, 1)
+FUSED_TYPE(q4_1, 1, 1)
 
 /* a group's 8 outputs per activation row: lane 2k + lane 2k+1 */
 static inline void x8_store(const __m512 * acc, int n, int r0, float * y, size_t y_stride) {

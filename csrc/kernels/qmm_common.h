@@ -46,31 +46,6 @@ static inline void scales_mins_k4(const uint8_t * q, uint64_t * sc, uint64_t * m
     *m = (u1 & 0x3f3f3f3fu) | (uint64_t) mh << 32;
 }
 
-/* Repacked (X8) groups: the standard block b of row r (0..7) of a group starting at g.  Q4_0x8: d[8],
- * then the 8 rows' 16 bytes in 8-byte pieces (piece j of row r at 8 * (8j + r)), nibbles XOR 8;
- * Q4_Kx8: d[8], dmin[8], scales[96] (sub-block j's 8 rows packed like one Q4_K's 12 bytes, at
- * 12j), then the 8 rows' 128 bytes in 8-byte pieces likewise, unmodified. */
-static inline void x8_block_q4_0(const uint8_t * g, int64_t b, int r, blk_q4_0 * out) {
-    const uint8_t * p = g + (size_t) b * 144;
-    memcpy(&out->d, p + 2 * r, 2);
-    for (int j = 0; j < 2; j++)
-        for (int i = 0; i < 8; i++) out->qs[8 * j + i] = p[16 + 8 * (8 * j + r) + i] ^ 0x88;
-}
-
-static inline void x8_block_q4_K(const uint8_t * g, int64_t b, int r, blk_q4_K * out) {
-    const uint8_t * p = g + (size_t) b * 1152;
-    memcpy(&out->d, p + 2 * r, 2);
-    memcpy(&out->dmin, p + 16 + 2 * r, 2);
-    for (int j = 0; j < 16; j++) memcpy(out->qs + 8 * j, p + 128 + 8 * (8 * j + r), 8);
-    /* repack the 8 sub-blocks' (scale, min) of row r into a Q4_K's 12 bytes */
-    uint8_t sc[8], m[8];
-    for (int j = 0; j < 8; j++) scale_min_k4(r, p + 32 + 12 * j, &sc[j], &m[j]);
-    for (int j = 0; j < 4; j++) {
-        out->scales[j] = (uint8_t) ((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
-        out->scales[j + 4] = (uint8_t) ((m[j] & 63) | ((m[j + 4] >> 4) << 6));
-        out->scales[j + 8] = (uint8_t) ((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
-    }
-}
 /* Activations (struct dfk_act): xq int8 values, scaled as ggml scales them for the type: per 32
  * values for the 32-value block types, Q4_0 / Q8_0 / Q5_0 / Q4_1 (its Q8_0 activations; dxl holds the
  * scale per 4-value lane), per 256 for the K-quants (its Q8_K; dxl[b] per block of 256, multiplying a
@@ -124,8 +99,9 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
 }
 
 
-/* the hardware prefetcher alone falls behind once a row's products take more than a few cycles */
-#define DFK_PREFETCH_ROWS 2
+/* the hardware prefetcher alone falls behind once a row's products take more than a few cycles; a
+ * kernel prefetches its own stream a fixed distance ahead (a whole next row or group at once, as
+ * before, thrashed L1 on long rows) */
 #ifndef DFK_PF_AHEAD
 #define DFK_PF_AHEAD 2048  /* bytes ahead of the kernels that prefetch their own stream */
 #endif
@@ -141,19 +117,15 @@ static inline void dfk_prefetch(const uint8_t * p, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm_prefetch((const char *) p + i, _MM_HINT_T0);
 }
 
-/* A type's kernel over weight rows [c0, c1): each row (X8: its group's start and its place in it)
- * against every activation row, GROUP rows at a time through fdot_T(m, ...) for m <= GROUP rows;
- * SELF_PF: fdot_T prefetches its own stream (else a row is prefetched whole, DFK_PREFETCH_ROWS ahead). */
-#define DFK_FMUL(T, X8, GROUP, SELF_PF)                                                                       \
+/* A standard-layout type's kernel over weight rows [c0, c1): each row against every activation row,
+ * GROUP rows at a time through fdot_T(m, ...) for m <= GROUP rows (fdot_T prefetches its own stream). */
+#define DFK_FMUL(T, GROUP)                                                                             \
     static void fmul_##T(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, \
                          float * y, size_t y_stride) {                                                 \
         for (int64_t c = c0; c < c1; c++) {                                                            \
-            const uint8_t * row = (const uint8_t *) w + (size_t) (X8 ? c & ~(int64_t) 7 : c) * w_row;  \
-            const int rr = (int) (c & 7);                                                              \
-            if (!X8 && !SELF_PF && c + DFK_PREFETCH_ROWS < c1) dfk_prefetch(row + DFK_PREFETCH_ROWS * w_row, w_row); \
-            if (X8 && rr == 0 && c + 8 < c1) dfk_prefetch(row + 8 * w_row, 8 * w_row);                 \
+            const uint8_t * row = (const uint8_t *) w + (size_t) c * w_row;                            \
             for (int r0 = 0; r0 < a->n; r0 += GROUP)                                                   \
-                fdot_##T(a->n - r0 >= GROUP ? GROUP : a->n - r0, row, rr, a, r0, y + c, y_stride);     \
+                fdot_##T(a->n - r0 >= GROUP ? GROUP : a->n - r0, row, 0, a, r0, y + c, y_stride);      \
         }                                                                                              \
     }
 
