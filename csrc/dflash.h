@@ -254,8 +254,9 @@ int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
 /* ---- small-batch kernels (csrc/kernels, docs/architecture.md §13) ------- */
 
 /* A ggml ACCEL backend that takes the target's matrix products (MUL_MAT, and MUL_MAT_ID: MoE experts)
- * with 1..16 activation rows on weights of type Q4_0, Q8_0, Q4_K, Q5_K or Q6_K, in ggml's standard
- * layout or ggml-cpu's repacked one (Q4_0 / Q4_K); other types stay with ggml-cpu.  Each weight block is read once for all rows, and a row's result
+ * with 1..16 activation rows on the weight types docs/architecture.md §13 lists (the quantized types
+ * of Q4_0, Q8_0, Q4_K_M and Q5_K_M files), in ggml's standard layout or ggml-cpu's repacked one;
+ * other types stay with ggml-cpu.  Each weight block is read once for all rows, and a row's result
  * does not depend on the rows beside it: verify batches are bit-identical to one-row decodes in
  * the products it takes.  Register it before any llama_context is created: contexts made earlier
  * never see it.  Returns 0, or -1 with the reason in err (a libggml of another version, a CPU
