@@ -522,6 +522,35 @@ int32_t dflash_engine_generate(dflash_engine * e, const int32_t * prompt, int32_
                                int32_t * out_tokens, float * out_margins,
                                struct dflash_stats * stats, char * err, size_t err_len);
 
+/* ---- llama.cpp's RPC backend (the target's layers on rpc-server hosts) -------------------------
+ * ggml-rpc aborts the process when a server disconnects and waits for ever on one that stops
+ * answering.  A guard is a local forwarder (127.0.0.1, an ephemeral port) in front of one server:
+ * ggml-rpc is registered with the guard's endpoint; a server lost mid-stream (or silent past
+ * timeout_s) is counted as a failure and the guard answers the rest of that connection itself with
+ * well-formed empty responses, so the client returns instead of aborting; callers read the count
+ * after each decode and discard its results.  A new connection reaches the server afresh.
+ * dflash_rpc_guard_new first checks the server: reachable, and speaking this llama.cpp's RPC
+ * protocol (one-line errors otherwise). */
+typedef struct dflash_rpc_guard dflash_rpc_guard;
+dflash_rpc_guard * dflash_rpc_guard_new(const char * host, int32_t port, double timeout_s, char * err, size_t err_len);
+void    dflash_rpc_guard_free(dflash_rpc_guard * g);
+int32_t dflash_rpc_guard_port(const dflash_rpc_guard * g);
+/* failures so far (a lost server, a silent one); the last one's message into err when > 0 */
+int64_t dflash_rpc_guard_failures(dflash_rpc_guard * g, char * err, size_t err_len);
+/* allocations the server itself refused (out of memory) */
+int64_t dflash_rpc_guard_alloc_failures(const dflash_rpc_guard * g);
+/* requests forwarded, bytes to the server, bytes from it (3 values) */
+void    dflash_rpc_guard_traffic(const dflash_rpc_guard * g, int64_t * out);
+/* Connect + handshake only: 0 and the server's protocol version (3 ints), or -1 with a message. */
+int32_t dflash_rpc_probe(const char * host, int32_t port, double timeout_s, int32_t * version, char * err,
+                         size_t err_len);
+void    dflash_rpc_client_version(int32_t * version);
+bool    dflash_rpc_available(void);  /* the loaded libggml has the RPC backend */
+/* ggml_backend_rpc_add_server(endpoint) through the registry: the ggml_backend_reg_t, or NULL */
+void *  dflash_rpc_add_server(const char * endpoint, char * err, size_t err_len);
+/* the registry's devices (ggml_backend_dev_t) into out; returns their count */
+int32_t dflash_rpc_devices(void * reg, void ** out, int32_t max_out);
+
 
 #ifdef __cplusplus
 }

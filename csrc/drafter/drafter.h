@@ -59,6 +59,8 @@ struct dflash_drafter {
     ggml_backend_buffer_t buf_w;
     struct ggml_context * ctx_wr;   // own matrices the CPU backend repacks for its batched kernels
     ggml_backend_buffer_t buf_wr;
+    struct ggml_context * ctx_hc;   // a local copy of the target's head when it lives on an RPC server
+    ggml_backend_buffer_t buf_hc;
 
     // w.tok_embd / w.head are the target's tensors unless the file has its own (own_*);
     // w.d2t (reduced vocabulary) holds the target ids as I32, also on the host in d2t_host.

@@ -565,6 +565,37 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
     return ok;
 }
 
+// Whether t lives on a remote device (llama.cpp's RPC backend): the drafter stays local, so it
+// cannot borrow such a tensor in place.
+static bool on_rpc_device(const struct ggml_tensor * t) {
+    if (!t || !t->buffer || ggml_backend_buffer_is_host(t->buffer)) return false;
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : NULL;
+    return reg && strcmp(ggml_backend_reg_name(reg), "RPC") == 0;
+}
+
+// A local copy of a target head held by an RPC server (read once, at load; counted as weights).
+static bool copy_remote_head(struct dflash_drafter * d, char * err, size_t err_len) {
+    struct ggml_tensor * src = d->w.head;
+    struct ggml_init_params ip = { 2 * ggml_tensor_overhead(), NULL, true };
+    d->ctx_hc = ggml_init(ip);
+    if (!d->ctx_hc) FAIL("out of memory copying the target's head");
+    struct ggml_tensor * t = ggml_dup_tensor(d->ctx_hc, src);
+    ggml_set_name(t, ggml_get_name(src));
+    d->buf_hc = ggml_backend_alloc_ctx_tensors(d->ctx_hc, d->cpu);
+    void * tmp = malloc(ggml_nbytes(src));
+    if (!d->buf_hc || !tmp) {
+        free(tmp);
+        FAIL("out of memory copying the target's head (%zu MiB)", ggml_nbytes(src) >> 20);
+    }
+    ggml_backend_buffer_set_usage(d->buf_hc, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_tensor_get(src, tmp, 0, ggml_nbytes(src));
+    ggml_backend_tensor_set(t, tmp, 0, ggml_nbytes(src));
+    free(tmp);
+    d->w.head = t;
+    return true;
+}
+
 // The target's embedding and head where the file has none.
 static bool borrow(struct dflash_drafter * d, const struct llama_model * target, const struct file_tensors * ft,
                    char * err, size_t err_len) {
@@ -582,6 +613,11 @@ static bool borrow(struct dflash_drafter * d, const struct llama_model * target,
             FAIL("target tensor '%s' has an unexpected shape", ggml_get_name(ts[i]));
         }
     }
+    // a head on an RPC server: a tied one is the embedding, which llama.cpp keeps in host memory
+    if (on_rpc_device(head)) {
+        struct ggml_tensor * host = target_tensor(target, ggml_get_name(head), true);
+        if (host) head = host;
+    }
     d->w.tok_embd = embd;
     d->w.head = head;
     return true;
@@ -595,6 +631,9 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
     ggml_backend_t main_be = NULL;
     struct ggml_tensor * t_head = d->w.head && !d->own_head ? d->w.head : target_tensor(target, "output.weight", false);
     if (!t_head) t_head = target_tensor(target, "token_embd.weight", false);
+    // a target split over RPC servers: the drafter and its cache stay here (the documented
+    // upstream workaround), with a local copy of a head the servers hold
+    if (on_rpc_device(t_head)) t_head = NULL;
     if (t_head && t_head->buffer) {
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t_head->buffer));
         if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
@@ -743,6 +782,8 @@ void dflash_drafter_free(dflash_drafter * d) {
     if (d->ctx_w) ggml_free(d->ctx_w);
     if (d->buf_wr) ggml_backend_buffer_free(d->buf_wr);
     if (d->ctx_wr) ggml_free(d->ctx_wr);
+    if (d->buf_hc) ggml_backend_buffer_free(d->buf_hc);
+    if (d->ctx_hc) ggml_free(d->ctx_hc);
     for (int i = 0; i < d->n_backends; i++) ggml_backend_free(d->backends[i]);
     free(d->meta_buf);
     free(d->d2t_host);
@@ -775,6 +816,7 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
         d->own_head = ft->w.head != NULL;
     }
     ok = ok && borrow(d, target, ft, err, err_len) && init_backends(d, target, n_threads, err, err_len) &&
+         (!on_rpc_device(d->w.head) || copy_remote_head(d, err, err_len)) &&
          alloc_weights(d, f.g, ft, path, err, err_len) && init_compute(d, n_ctx, err, err_len);
     file_close(&f);
     free(ft);
@@ -792,12 +834,13 @@ void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_inf
 void dflash_drafter_get_memory(const dflash_drafter * d, struct dflash_drafter_memory * out) {
     memset(out, 0, sizeof(*out));
     out->weights = (d->buf_w ? ggml_backend_buffer_get_size(d->buf_w) : 0) +
-                   (d->buf_wr ? ggml_backend_buffer_get_size(d->buf_wr) : 0);
+                   (d->buf_wr ? ggml_backend_buffer_get_size(d->buf_wr) : 0) +
+                   (d->buf_hc ? ggml_backend_buffer_get_size(d->buf_hc) : 0);
     out->repacked = d->buf_wr ? ggml_backend_buffer_get_size(d->buf_wr) : 0;
     out->cache = d->def && d->def->buf_kv ? ggml_backend_buffer_get_size(d->def->buf_kv) : 0;
     for (int i = 0; i < d->n_backends; i++) out->compute += ggml_backend_sched_get_buffer_size(d->sched, d->backends[i]);
     out->borrows_embedding = !d->own_embd;
     out->borrows_head = !d->own_head;
     if (!d->own_embd) out->borrowed += ggml_nbytes(d->w.tok_embd);
-    if (!d->own_head && d->w.head != d->w.tok_embd) out->borrowed += ggml_nbytes(d->w.head);
+    if (!d->own_head && !d->buf_hc && d->w.head != d->w.tok_embd) out->borrowed += ggml_nbytes(d->w.head);
 }

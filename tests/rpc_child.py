@@ -1,0 +1,132 @@
+"""One RPC scenario in a process of its own (tests/test_rpc.py): ggml's device registry is
+process-wide, so the servers registered here never reach the rest of the suite's models.
+
+    python rpc_child.py SCENARIO JSON_ARGS
+
+prints one line ``RESULT <json>`` (and, for "kill", ``STEP <n>`` lines, reading ``GO`` on stdin).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+
+from llama_dflash import SpeculativeGenerator
+from llama_dflash.core.rpc import Cluster, RPCError
+
+
+def out(kind: str, obj) -> None:
+    print(kind, json.dumps(obj), flush=True)
+
+
+_cluster: Cluster | None = None
+
+
+def generator(a: dict, rpc: bool = True) -> SpeculativeGenerator:
+    """The target split over the cluster's servers (rpc), or all local."""
+    if not rpc:
+        return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1, n_gpu_layers=0)
+    # the model params the generator loads with point at the servers' devices (their list is not
+    # registered with ggml globally: only a model given it uses them)
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        _cluster.apply(p)
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    try:
+        return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1,
+                                    n_gpu_layers=a["n_gpu_layers"], flash_attn=a.get("flash_attn"))
+    finally:
+        llama_cpp.llama_model_default_params = default
+
+
+def connect(a: dict, **kw) -> Cluster:
+    global _cluster
+    _cluster = Cluster(a["endpoints"], **kw)
+    return _cluster
+
+
+def identity(a: dict) -> dict:
+    """Plain vs speculative greedy over the same split; the capture's features against a local run."""
+    cluster = connect(a)
+    res = {"plain": [], "spec": [], "margins": [], "taus": []}
+    with generator(a) as g:
+        res["capture"] = g.capture_mode
+        for p in a["prompts"]:
+            toks = g.tokenize(p)
+            plain = g.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
+            spec = g.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
+            cluster.check()
+            res["plain"].append(plain.tokens)
+            res["margins"].append(plain.margins)
+            res["spec"].append(spec.tokens)
+            res["taus"].append(spec.stats.tau)
+        feats = g.features(g.tokenize(a["prompts"][0])) if a.get("features") else None
+        res["drafter_memory"] = g.drafter.memory() if g.drafter is not None else None
+        if res["drafter_memory"] is not None:
+            n_vocab, n_embd = g.n_vocab, g.drafter_info.n_embd
+            res["drafter_memory"]["borrowed_embedding"] = n_vocab * n_embd * 4  # (the tiny targets' f32 embedding)
+            res["head_bytes"] = n_vocab * n_embd * 34 // 32  # a Q8_0 head (qwen3)
+    res["traffic"] = cluster.traffic()
+    if feats is not None:
+        with generator(a, rpc=False) as g:
+            # (the registered devices hold no layer of a model loaded with n_gpu_layers=0)
+            local = g.features(g.tokenize(a["prompts"][0]))
+        res["feature_max_abs_diff"] = float(np.max(np.abs(feats - local)))
+        res["feature_scale"] = float(np.max(np.abs(local)))
+    return res
+
+
+def kill(a: dict) -> dict:
+    """Stream; the parent kills a server after the first STEP lines: a clear RPCError, no abort, no
+    hang; then (GO: the server is back) the same request on a reloaded model equals a plain one."""
+    cluster = connect(a, timeout_s=a.get("timeout_s", 20))
+    res = {}
+    g = generator(a)
+    toks = g.tokenize(a["prompts"][0])
+    got: list[int] = []
+    try:
+        n = 0
+        for step in g.stream(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False):
+            cluster.check()  # before the step's tokens are taken: a lost server's rows are garbage
+            got += step
+            n += 1
+            out("STEP", n)
+            time.sleep(a.get("step_sleep", 0))
+        res["error"] = None
+    except RPCError as e:
+        res["error"] = str(e)
+    res["tokens_before_error"] = len(got)
+    g.close()
+    out("LOST", {"error": res["error"], "n": len(got)})
+    sys.stdin.readline()  # GO
+    cluster.mark()
+    with generator(a) as g2:
+        plain = g2.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
+        spec = g2.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
+        cluster.check()
+    res["partial"] = got
+    res["plain"], res["spec"], res["margins"] = [plain.tokens], [spec.tokens], [plain.margins]
+    return res
+
+
+def too_big(a: dict) -> dict:
+    cluster = connect(a)
+    try:
+        g = generator(a)
+    except Exception as e:  # noqa: BLE001 - the test asserts its type and message
+        return {"error": f"{type(e).__name__}: {e}", "load_error": str(cluster.load_error(a["target"]))}
+    g.close()
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    out("RESULT", {"identity": identity, "kill": kill, "too_big": too_big}[scenario](args))
