@@ -40,7 +40,9 @@ def _why_not() -> str | None:
 def rpc_build(request):
     why = _why_not()
     if why:
-        sys.stderr.write(f"\n[test_rpc skipped] {why}\n")
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        with capman.global_and_fixture_disabled():
+            print(f"\n[tests/test_rpc.py skipped] {why}")
         pytest.skip(why)
 
 
@@ -61,8 +63,8 @@ class Child:
     """tests/rpc_child.py SCENARIO ARGS, its stdout read line by line with timeouts."""
 
     def __init__(self, scenario: str, args: dict) -> None:
-        self.p = subprocess.Popen([sys.executable, "-X", "faulthandler", CHILD, scenario, json.dumps(args)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen([sys.executable, "-X", "faulthandler", CHILD, scenario, json.dumps(args)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.q: queue.Queue = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._read, args=(self.p.stdout, self.q.put), daemon=True).start()
