@@ -11,6 +11,7 @@ Q4_0 without flash attention).
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -308,3 +309,114 @@ def test_cli_exact_diff_and_demo():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "greedy outputs bit-identical: yes (exact mode, self-check passed" in r.stdout
+
+
+def _our_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "llama_dflash"]
+
+
+def test_exact_is_the_default_and_falls_back_in_one_logged_line(artifacts, caplog):
+    """exact="auto" by default: a target the self-check refuses (the tests' f32 ones) runs in the
+    default mode, said once in the log and in every generation's stats; a model without drafter
+    or concurrent requests is llama-cpp-python's own (its settings untouched)."""
+    a = artifacts["llama"]
+    with caplog.at_level(logging.WARNING, logger="llama_dflash"):
+        llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=256, verbose=False)
+    try:
+        assert llm.exact == "auto" and llm.options.exact == "auto"
+        lines = _our_lines(caplog)
+        assert len(lines) == 1 and "exact mode off" in lines[0] and "self-check failed" in lines[0], lines
+        llm("the quick", max_tokens=6, temperature=0.0)
+        assert llm.last_speculative_stats.exact.startswith("not exact: self-check failed")
+    finally:
+        llm.close()
+    plain = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False)
+    try:
+        assert plain.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    finally:
+        plain.close()
+
+
+def test_exact_by_default_on_a_quantized_target(monkeypatch, caplog):
+    """SmolLM2 Q4_0 with the shipped drafter and no exact argument: exact mode (self-checked, flash
+    attention on) and output equal to llama_cpp.Llama under the same settings; flash_attn=False
+    asked for: the default mode, said once; exact=True with it: refused."""
+    target, drafter = str(default_target()), str(shipped_drafter())
+    llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
+    ref = _reference_llama(target, monkeypatch, n_ctx=512)
+    try:
+        assert llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        for p in PROMPTS[:2]:
+            assert llm(p, max_tokens=24, temperature=0.0)["choices"][0]["text"] == \
+                ref(p, max_tokens=24, temperature=0.0)["choices"][0]["text"], p
+            assert llm.last_speculative_stats.exact.startswith("self-check passed")
+    finally:
+        llm.close()
+        ref.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llama_dflash"):
+        llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, flash_attn=False)
+    try:
+        lines = _our_lines(caplog)
+        assert len(lines) == 1 and "flash_attn=False" in lines[0], lines
+        llm("Hi", max_tokens=4, temperature=0.0)
+        assert llm.last_speculative_stats.exact.startswith("not exact: flash_attn=False")
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="needs flash attention"):
+        llama_dflash.Llama(target, draft_model_path=drafter, verbose=False, exact=True, flash_attn=False)
+
+
+def test_joint_batches_are_self_checked(monkeypatch, caplog):
+    """parallel > 1 in exact mode: the group's context gets the core's kernels and its joint batches
+    are probed against plain decoding before any request; a target whose joint batches round apart
+    serves one request at a time, said once in the log and in the stats."""
+    target, drafter = str(default_target()), str(shipped_drafter())
+    gaps: list[float] = []
+    real = exact.joint_check
+    monkeypatch.setattr(exact, "joint_check", lambda *a, **k: gaps.append(real(*a, **k)) or gaps[-1])
+    llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, parallel=2)
+    try:
+        assert gaps == [0.0] and llm.parallel == 2
+        assert llm.view() is not llm
+    finally:
+        llm.close()
+    monkeypatch.setattr(exact, "joint_check", lambda *a, **k: 0.125)
+    with caplog.at_level(logging.WARNING, logger="llama_dflash"):
+        llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False, parallel=2)
+    try:
+        lines = _our_lines(caplog)
+        assert len(lines) == 1 and "joint batches of 2 sequences round apart" in lines[0], lines
+        assert llm.parallel == 1 and llm.view() is llm
+        llm("Hi", max_tokens=4, temperature=0.0)
+        st = llm.last_speculative_stats.exact
+        assert st.startswith("self-check passed") and "served one at a time" in st
+    finally:
+        llm.close()
+
+
+def test_joint_probe_sees_a_context_that_rounds_apart(tmp_path, monkeypatch):
+    """The joint probe compares bitwise, against plain decoding in the single-sequence context: a
+    group context without flash attention (its 2-row batches round apart) is caught; one with
+    exact mode's settings and kernels passes."""
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    path = str(default_target())
+    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.flash_attn_type = 512, 512, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    ctxs = [llama_cpp.llama_init_from_model(model, cp)]
+    for fa in (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED):
+        gp = llama_cpp.llama_context_params.from_buffer_copy(cp)
+        gp.n_ctx, gp.n_seq_max, gp.kv_unified, gp.flash_attn_type = 1024, 2, False, fa
+        ctxs.append(llama_cpp.llama_init_from_model(model, gp))
+    ctx, no_fa, group = ctxs
+    try:
+        for c in ctxs:
+            exact.reference_kernels(c)
+        assert exact.joint_check(no_fa, ctx, model, None, 2, 8, 2, True) > 0.0
+        assert exact.joint_check(group, ctx, model, None, 2, 8, 2, True) == 0.0
+    finally:
+        for c in ctxs:
+            exact.reference_kernels(c, False)
+            llama_cpp.llama_free(c)
+        llama_cpp.llama_model_free(model)

@@ -9,6 +9,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from .. import options
 from ..errors import DFlashError
 from ..formats.gguf import OUTTYPES
 from ..train.store import FORMATS as FEATURE_FORMATS
@@ -68,9 +69,8 @@ def _seed(text: str) -> int:
     return 0xFFFFFFFF if v == -1 else v
 
 
-SPECULATION = ["auto", "on", "off"]
-SPECULATION_HELP = ("auto: draft only when the measured cost model says it pays, and verify the most profitable "
-                    "prefix of each draft; on: draft --draft-len tokens every step; off: plain decoding")
+SPECULATION = list(options.choices("speculation"))
+SPECULATION_HELP = options.doc("speculation").replace("draft_n_max", "--draft-len")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -140,9 +140,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-EXACT_HELP = ("exact mode: load the target with batch-invariant settings (flash attention, reference CPU kernels, "
-              "the weight layout that stays invariant longer) and self-check them, so speculative output is "
-              "bit-identical to plain decoding")
+EXACT_HELP = ("exact mode only: refuse a target whose self-check fails (default: exact mode where the target's "
+              "self-check passes, else the default mode with the reason logged)")
+DEFAULT_MODE_HELP = ("the default mode: faster verify batches on some targets, but output may differ from plain "
+                     "decoding at numerical near-ties")
+
+
+def _add_exact(p: argparse.ArgumentParser, exact_help: str = EXACT_HELP) -> None:
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--exact", dest="exact", action="store_const", const=True, default="auto", help=exact_help)
+    m.add_argument("--default-mode", dest="exact", action="store_const", const=False, help=DEFAULT_MODE_HELP)
+
+
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -166,7 +175,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
                                 rope_theta=100000.0, rms_eps=1e-5)
             write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
     with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
-                              exact=not a.default_mode) as g:
+                              exact=a.exact) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
         plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
@@ -178,6 +187,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         g.generate(toks, a.max_tokens, draft_len=g.max_draft_len, speculation="on", stop_on_eos=False,
                    on_step=steps.append)
         ceiling = plain.stats.tokens_per_s * g.ceiling([s["accepted"] for s in steps])
+        exact_on = g.exact_verdict is not None
     same = plain.tokens == spec.tokens
     if a.json:
         print(json.dumps({"target": str(target), "drafter": str(drafter), "trained_drafter": trained,
@@ -197,12 +207,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"speedup {spec.stats.tokens_per_s / base:.2f}x ({a.speculation}); ceiling {ceiling / base:.2f}x "
           f"(the best draft lengths with this drafter at the measured costs)"
           + (f", reached {100 * gain:.0f} % of its gain" if ceiling > base else ""))
-    if spec.stats.exact:  # exact mode: identity was checked, token by token, against the plain run
+    if exact_on:  # exact mode: identity was checked, token by token, against the plain run
         print(f"greedy outputs bit-identical: {'yes' if same else 'NO - this is a bug, please report it'} "
               f"(exact mode, {spec.stats.exact})")
         return 0 if same else 1
-    print(f"greedy outputs identical: {same} (default mode: verify batches may round differently from "
-          "one-token decoding; --exact checks and removes that)")
+    print(f"greedy outputs identical: {same} (default mode{': ' + spec.stats.exact if spec.stats.exact else ''}; "
+          "verify batches may round differently from one-token decoding)")
     if not same and "plain_margin" in report:
         print(f"first difference at token {report['position']}: top-1/top-2 margins {report['plain_margin']:.3f} "
               f"(plain) / {report['spec_margin']:.3f} (speculative) -> "
@@ -388,7 +398,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
         spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, sampling=sp, return_margins=True,
                           on_step=steps.append, speculation=a.speculation)
         replay = None
-        if a.exact:  # no numerics to certify: any divergence is a bug
+        if g.exact_verdict is not None:  # no numerics to certify: any divergence is a bug
             report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
             return _exact_diff(a, report, spec.stats.exact)
         if sp.temperature == 0 and not a.no_replay:
@@ -461,13 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file")
     _add_common(g)
     _add_sampling(g)
-    g.add_argument("--exact", action="store_true", help=EXACT_HELP)
+    _add_exact(g)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)
-    d.add_argument("--default-mode", action="store_true",
-                   help="run without exact mode (faster verify batches on some models; output may differ from "
-                        "plain decoding at numerical near-ties, which the demo then classifies)")
+    _add_exact(d)
     d.set_defaults(func=cmd_demo)
     df = sub.add_parser("diff", help="plain vs speculative side by side; classify the first divergence")
     df.add_argument("--model", required=True)
@@ -482,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "copy of the model) to certify a divergence; classify by --eps alone")
     _add_common(df)
     _add_sampling(df)
-    df.add_argument("--exact", action="store_true", help=EXACT_HELP + "; any divergence then exits 1")
+    _add_exact(df, EXACT_HELP + "; in exact mode any divergence exits 1")
     df.set_defaults(func=cmd_diff)
     ch = sub.add_parser("chat", help="interactive streaming chat (default: the embedded model and drafter)")
     ch.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
@@ -496,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0)
     ch.add_argument("--seed", type=_seed, default=0xFFFFFFFF)
     ch.add_argument("--verbose", action="store_true")
-    ch.add_argument("--exact", action="store_true", help=EXACT_HELP)
+    _add_exact(ch)
     ch.set_defaults(func=cmd_chat)
     # `serve` is parsed by the server itself (main() hands it every argument); listed for --help
     sub.add_parser("serve", help="OpenAI-compatible server: llama-dflash serve --model T.gguf --draft_model_path "

@@ -11,8 +11,10 @@ the reason is recorded in ``last_speculative_stats``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+import logging
 import random
 import threading
 import weakref
@@ -21,15 +23,18 @@ from dataclasses import asdict, dataclass, field
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _logger
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from .. import options
 from ..core import exact as exact_mode
 from ..core import kernels as _kernels
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
-from ..core.group import EngineGroup
+from ..core.group import EngineGroup, JointBatchesDiffer
 from ..core.sampling import SamplingParams
 from ..core.stats import Acceptance, SpecStats
 from ..errors import DFlashError, check_file
+from ..options import SpecOptions
 from . import completion
 
 
@@ -58,14 +63,12 @@ class DFlashDraftModel(LlamaDraftModel):
                         "not llama_cpp.Llama")
 
 
+_log = logging.getLogger("llama_dflash")
 _BASE_PARAMS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)  # e.g. draft_model
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _COMPLETION_ARGS = list(inspect.signature(llama_cpp.Llama._create_completion).parameters)[4:]  # after max_tokens
 _CLOSED = "this Llama is closed (close() was called): create a new one"
 _BUDGET_SLACK = 8  # tokens a slot may run past a completion's max_tokens (a UTF-8 character's end)
-_OPTIONS = {"draft_model_path", "draft_n_max", "draft_n_min", "draft_p_min", "verify", "speculation", "speculative",
-            "grammar_aware_drafting", "exact", "parallel", "kernels"}
-
 
 @dataclass
 class SpeculativeTotals(Acceptance):
@@ -136,32 +139,15 @@ class _Serial:
 class Llama(llama_cpp.Llama):
     """Drop-in llama_cpp.Llama with a DFlash / DFlash2 drafter.
 
-    draft_model_path: the drafter GGUF (None: plain llama_cpp.Llama behaviour); or, in
-    llama-cpp-python's own slot, ``draft_model=DFlashDraftModel(path, n_max=..., ...)``.
-    draft_n_max: tokens drafted per step (default and maximum: the drafter's block - 1).
-    draft_n_min: drop drafts shorter than this (after the p_min / grammar cuts): verify alone.
-    draft_p_min: cut drafts at the first slot less confident than this.
-    verify: "match" (seeded output identical to plain decoding) or "rejection"
-    (speculative sampling with the drafter's q: same distribution, other random stream).
-    speculation: "auto" (default: each step drafts only when the measured cost model says it
-    pays, and verifies the prefix of the draft that maximises expected tokens per second; see
-    docs/architecture.md §5.9; the cost model is read from the cache folder or measured as the
-    model loads, a fraction of a second), "on" (draft_n_max tokens every step) or "off"; the
-    output is the same either way.
-    grammar_aware_drafting: with a grammar (or JSON schema, or forced tool call), drafts walk a
-    copy of the grammar state: forbidden candidates are skipped and a draft ends where the
-    grammar allows none of them.
-    speculative: a SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min,
-    optional spec_type), as the llama-cpp-python fork that has one takes; it fills the options above.
-    kernels: the small-batch kernels (docs/architecture.md §13) for the target's verify products:
-    True / False switch them on / off for the whole process (contexts created from then on; the
-    environment's ``LLAMA_DFLASH_KERNELS=0`` keeps them off from the start), None leaves them as
-    they are (on where this CPU runs them).
-    parallel: requests served together (default 1: one at a time).  With more, ``view()`` hands
-    out views of this model whose generations share one decode per step (each sequence's drafts
-    verified in a joint batch, docs/architecture.md §5.10) -- a second context with ``parallel``
-    sequences of n_ctx positions each; the server serves concurrent requests that way (exact
-    mode: at most as many as the rows its self-check proved invariant).
+    Takes llama_cpp.Llama's arguments and the speculative options below (one definition:
+    ``llama_dflash.options.SpecOptions``).  The drafter may also come in llama-cpp-python's own
+    slot, ``draft_model=DFlashDraftModel(path, n_max=..., ...)``, or as ``speculative``: a
+    SpecConfig-like object (duck-typed: draft_model_path, draft_n_max, draft_p_min, optional
+    spec_type), as the llama-cpp-python fork that has one takes.  With ``parallel`` > 1,
+    ``view()`` hands out views of this model whose generations share one decode per step (each
+    sequence's drafts verified in a joint batch, docs/architecture.md §5.10): a second context
+    with ``parallel`` sequences of n_ctx positions each (exact mode: at most as many as the rows
+    its self-check proved invariant).
 
     Completions run through a loop that adds O(1) work per token (llama-cpp-python's re-reads
     the whole text), and ``logprobs`` work without ``logits_all`` (no n_ctx x n_vocab buffer).
@@ -169,55 +155,44 @@ class Llama(llama_cpp.Llama):
     ``stop_requested`` (a ``threading.Event``): set it from another thread to end the running
     generation after its current step, as a length limit would (finish_reason "length"); it
     stays set until cleared, so clear it before the next request (the server does both).
+
+    Speculative options:
     """
 
-    def __init__(self, model_path: str, *args, draft_model_path: str | None = None, draft_n_max: int | None = None,
-                 draft_n_min: int = 0, draft_p_min: float = 0.0, verify: str = "match", speculation: str = "auto",
-                 speculative=None, grammar_aware_drafting: bool = True, exact: bool | str = False, parallel: int = 1,
-                 kernels: bool | None = None, **kwargs) -> None:
+    def __init__(self, model_path: str, *args, speculative=None, **kwargs) -> None:
+        opts = SpecOptions.take(kwargs)
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
             if "dflash" not in kind:
                 raise ValueError(f"speculative.spec_type {kind!r}: only DFlash / DFlash2 drafters are supported")
-            draft_model_path = getattr(speculative, "draft_model_path", None) or draft_model_path
-            draft_n_max = getattr(speculative, "draft_n_max", None) or draft_n_max
-            draft_p_min = getattr(speculative, "draft_p_min", None) or draft_p_min
-            draft_n_min = getattr(speculative, "draft_n_min", None) or draft_n_min
+            opts = dataclasses.replace(opts, **{n: v for n in ("draft_model_path", "draft_n_max", "draft_p_min",
+                                                               "draft_n_min")
+                                                if (v := getattr(speculative, n, None))})
         dm = kwargs.get("draft_model")
         if isinstance(dm, DFlashDraftModel):
-            if draft_model_path is not None:
+            if opts.draft_model_path is not None:
                 raise ValueError("pass the DFlash drafter once: draft_model=DFlashDraftModel(...) or draft_model_path")
             kwargs["draft_model"] = None
-            draft_model_path, draft_n_min, draft_p_min = dm.path, dm.n_min, dm.p_min
-            draft_n_max = dm.n_max if dm.n_max is not None else draft_n_max
+            opts = dataclasses.replace(opts, draft_model_path=dm.path, draft_n_min=dm.n_min, draft_p_min=dm.p_min,
+                                       draft_n_max=dm.n_max if dm.n_max is not None else opts.draft_n_max)
         unknown = [k for k in kwargs if k.startswith(("draft_", "spec", "verif")) and k not in _BASE_PARAMS]
-        if draft_model_path is not None and kwargs.get("draft_model") is not None:
+        if opts.draft_model_path is not None and kwargs.get("draft_model") is not None:
             raise ValueError("draft_model (llama-cpp-python's prompt-lookup drafter) and a DFlash drafter "
                              "(draft_model_path) cannot be combined: pass one")
         if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are {sorted(_OPTIONS)}")
-        if not isinstance(draft_n_min, int) or draft_n_min < 0:
-            raise ValueError(f"draft_n_min must be an integer >= 0, got {draft_n_min!r}")
-        if verify not in ("match", "rejection"):
-            raise ValueError(f"verify must be 'match' or 'rejection', got {verify!r}")
-        if not isinstance(draft_p_min, (int, float)) or not 0.0 <= draft_p_min <= 1.0:  # NaN fails too
-            raise ValueError(f"draft_p_min must be a number in [0, 1], got {draft_p_min!r}")
-        if draft_n_max is not None and (not isinstance(draft_n_max, int) or draft_n_max < 0):
-            raise ValueError(f"draft_n_max must be an integer >= 0 (or None), got {draft_n_max!r}")
-        if speculation not in ("on", "off", "auto"):
-            raise ValueError(f"speculation must be 'on', 'off' or 'auto', got {speculation!r}")
-        if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 64:
-            raise ValueError(f"parallel must be an integer in 1..64, got {parallel!r}")
-        if kernels is not None and not isinstance(kernels, bool):
-            raise ValueError(f"kernels must be True, False or None, got {kernels!r}")
-        if kernels is not None:
-            _kernels.set_enabled(kernels)
-        flash_attn = exact_mode.flash_attn_for(exact, kwargs.get("flash_attn"))
-        if exact:
-            kwargs["flash_attn"] = flash_attn
-        self.__dict__["_exact"] = exact  # read by the model_params setter, during the base's init
-        self.__dict__["_exact_repacked"] = bool(exact) and exact_mode.weight_layout(
-            model_path, kwargs.get("n_threads"), kwargs.get("n_gpu_layers", 0))
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; speculative options are "
+                            f"{sorted([*options.NAMES, 'speculative'])}")
+        if opts.kernels is not None:
+            _kernels.set_enabled(opts.kernels)
+        _logger.set_verbose(kwargs.get("verbose", True))  # (as the base class does first: exact mode's probes load)
+        # (without a drafter or concurrent requests every decode is llama-cpp-python's own: nothing to make exact)
+        engine = opts.draft_model_path is not None or opts.parallel > 1
+        load = exact_mode.load_settings(opts.exact if engine else False, model_path, kwargs.get("flash_attn"),
+                                        kwargs.get("n_threads"), kwargs.get("n_gpu_layers", 0))
+        if load.exact:
+            kwargs["flash_attn"] = load.flash_attn
+        self.__dict__["_options"] = opts
+        self.__dict__["_load"] = load  # read by the model_params setter, during the base's init
         self.__dict__["_serial"] = _Serial()
         self.stop_requested = threading.Event()
         self.draft_source: DraftSource | None = None  # a Python drafter in place of the DFlash one (tests, benches)
@@ -227,24 +202,24 @@ class Llama(llama_cpp.Llama):
         self._unavailable: str | None = None
         self._outside_eval = False  # eval() was called outside our loop (e.g. a multimodal chat handler)
         self._eval_end = 0          # n_tokens as the last eval() left it
-        self.parallel = parallel
+        self.parallel = opts.parallel
         self._group: EngineGroup | None = None
         self._view_lock = threading.Lock()
-        if draft_model_path is not None or parallel > 1:  # (concurrent requests run in the engine, drafter or not)
-            if draft_model_path is not None:
-                check_file(draft_model_path, "drafter")
+        if engine:  # (concurrent requests run in the engine, drafter or not)
+            if opts.draft_model_path is not None:
+                check_file(opts.draft_model_path, "drafter")
             # built as soon as the base class has loaded the model, before it creates the context:
             # cb_eval capture (qwen2, gemma3, ...) must be in the context params (see _model below)
-            self._pending_core = {"drafter_path": draft_model_path, "n_batch": kwargs.get("n_batch", 512),
+            self._pending_core = {"drafter_path": opts.draft_model_path, "n_batch": kwargs.get("n_batch", 512),
                                   "n_threads": kwargs.get("n_threads")}
         super().__init__(model_path, *args, **kwargs)
         self.__dict__.pop("_pending_core", None)
-        self.verify = verify
-        self.speculation = speculation
-        self.draft_p_min = draft_p_min
-        self.draft_n_min = draft_n_min
-        self.grammar_aware_drafting = bool(grammar_aware_drafting)
-        self.draft_model_path = draft_model_path
+        self.verify = opts.verify
+        self.speculation = opts.speculation
+        self.draft_p_min = opts.draft_p_min
+        self.draft_n_min = opts.draft_n_min
+        self.grammar_aware_drafting = opts.grammar_aware_drafting
+        self.draft_model_path = opts.draft_model_path
         self.last_speculative_stats: SpecStats | None = None
         self.speculative_stats_total = SpeculativeTotals()
         if self._core is None:
@@ -257,24 +232,30 @@ class Llama(llama_cpp.Llama):
         self._core.attach(self._ctx.ctx)
         self._unavailable = self._core.unavailable
         limit = self._core.max_draft_len if self._core.has_drafter else 0  # the drafter's block - 1 (exact
-        self.draft_n_max = limit if draft_n_max is None else max(0, min(draft_n_max, limit))  # mode: invariant)
+        n_max = opts.draft_n_max
+        self.draft_n_max = limit if n_max is None else min(n_max, limit)  # mode: invariant)
         # a joint decode holds a row per sequence at least: within a batch (exact mode: within the rows
         # its self-check proved invariant); a multimodal chat handler fills the model's own context
-        parallel = min(parallel, int(self.context_params.n_batch))
+        parallel = min(opts.parallel, int(self.context_params.n_batch))
         if self._core.exact is not None:
             parallel = min(parallel, self._core.exact.max_rows)
         if self.chat_handler is not None or self._unavailable is not None:
             parallel = 1
         self.parallel = parallel  # what is served at once: 1 when no group could be built
-        if self._core.has_drafter and speculation == "auto" and self.draft_n_max > 0 and self._unavailable is None:
+        if self._core.has_drafter and opts.speculation == "auto" and self.draft_n_max > 0 and self._unavailable is None:
             # at start, not in the first request (a cached model or a fraction of a second; it clears
             # the context, empty now); with parallel > 1 it is every slot's prior too
             self._core.ensure_costs()
         if parallel > 1:
             me = weakref.ref(self)  # (the scheduler thread must not keep the model alive)
-            self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
-                                      hold=self._serial.hold,
-                                      on_done=lambda st: (o := me()) is not None and o._record_stats(st))
+            try:
+                self._group = EngineGroup(self._core, self.context_params, parallel, self._usable_ctx(),
+                                          hold=self._serial.hold,
+                                          on_done=lambda st: (o := me()) is not None and o._record_stats(st))
+            except JointBatchesDiffer as e:  # exact mode holds for one request at a time
+                _log.warning("llama-dflash: %s", e)
+                self._core.exact_note = str(e)
+                self.parallel = 1
 
     @property
     def joint_stats(self) -> dict[str, int]:
@@ -307,11 +288,17 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self) -> dict:
         """The base class's init arguments plus the drafter's: unpickling loads both again."""
         state = super().__getstate__()
-        state.update(draft_model_path=self.draft_model_path, draft_n_max=getattr(self, "draft_n_max", None),
-                     draft_n_min=self.draft_n_min, draft_p_min=self.draft_p_min, verify=self.verify,
-                     speculation=self.speculation, grammar_aware_drafting=self.grammar_aware_drafting,
-                     exact=self.exact, parallel=self.parallel)
+        state.update(self.options.as_kwargs())
         return state
+
+    @property
+    def options(self) -> SpecOptions:
+        """The speculative options as this model runs them (draft_n_max, parallel: as capped by the
+        drafter's block and the self-check; the rest as given)."""
+        return dataclasses.replace(self.__dict__["_options"], draft_n_max=getattr(self, "draft_n_max", None),
+                                   parallel=self.parallel, verify=self.verify, speculation=self.speculation,
+                                   draft_n_min=self.draft_n_min, draft_p_min=self.draft_p_min,
+                                   grammar_aware_drafting=self.grammar_aware_drafting)
 
     # Exact mode: the base class fills ``self.model_params`` before it loads the model; the
     # struct it assigns gets exact mode's weight layout (``exact.weight_layout``) at once.
@@ -324,14 +311,13 @@ class Llama(llama_cpp.Llama):
 
     @model_params.setter
     def model_params(self, params) -> None:
-        if self.__dict__.get("_exact"):
-            params.use_extra_bufts = self.__dict__["_exact_repacked"]
+        self.__dict__["_load"].apply(params)
         self.__dict__["_dflash_model_params"] = params
 
     @property
     def exact(self) -> bool | str:
         """Exact mode as asked for (True, "auto" or False; see ``core.exact``)."""
-        return self.__dict__.get("_exact", False)
+        return self.__dict__["_options"].exact
 
     # The base class assigns ``self._model`` once, right after loading the model and before it
     # creates the context from ``self.context_params``: the engine core is built there, so that
@@ -358,9 +344,8 @@ class Llama(llama_cpp.Llama):
         n_ctx = -(-(self.context_params.n_ctx or model.n_ctx_train()) // 256) * 256
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
-                                exact=self.exact, model_path=self.model_path,
-                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu",
-                                exact_repacked=self.__dict__["_exact_repacked"])
+                                exact=self.__dict__["_load"], model_path=self.model_path,
+                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu")
         self._core.prepare_context(self.context_params)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
@@ -715,3 +700,7 @@ def _held(serial: _Serial, it: Iterator) -> Iterator:
     """``it``, iterated under ``serial`` (released when it ends or is closed)."""
     with serial.hold():
         yield from it
+
+
+Llama.__doc__ += options.describe(indent="    ")
+Llama.__init__.__signature__ = options.signature(llama_cpp.Llama.__init__, extra=("speculative",))

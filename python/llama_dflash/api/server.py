@@ -38,7 +38,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable
-from typing import Literal, Optional
+from typing import Optional
 
 import llama_cpp
 
@@ -55,7 +55,7 @@ try:
         DetokenizeInputRequest,
         TokenizeInputRequest,
     )
-    from pydantic import Field, ValidationError
+    from pydantic import Field, ValidationError, create_model, field_validator
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import ClientDisconnect
@@ -63,28 +63,36 @@ except ImportError as e:  # exercised by test_serve_without_server_extras
     raise ImportError(f"the server needs the server extras ({e.name} is missing): "
                       "pip install 'llama-dflash[server]'", name=e.name) from None
 
+from .. import options
 from ..core import kernels as _kernels
 from .llama import Llama, openai_response_format
 
 
-class DFlashModelSettings(ModelSettings):
-    """llama-cpp-python's model settings plus the drafter's."""
+def _check_option(cls, value, info):
+    return options.check(info.field_name, value)
 
-    logits_all: bool = Field(default=False, description="Keep logits of every position (off: no n_ctx x n_vocab)")
+
+def _exact_value(cls, value):
+    """exact: "auto" or a flag as the command line and config files spell it (the check names the option)."""
+    if isinstance(value, str) and value.strip().lower() != "auto":
+        flag = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False,
+                "no": False}.get(value.strip().lower(), value)
+        return options.check("exact", flag)
+    return value
+
+
+# llama-cpp-python's model settings plus the speculative options (their one definition:
+# llama_dflash.options), each checked by that definition's check.
+DFlashModelSettings = create_model(
+    "DFlashModelSettings", __base__=ModelSettings, __doc__="llama-cpp-python's model settings plus the drafter's.",
+    __validators__={"check_option": field_validator(*options.NAMES)(_check_option),
+                    "exact_value": field_validator("exact", mode="before")(_exact_value)},
+    logits_all=(bool, Field(default=False, description="Keep logits of every position (off: no n_ctx x n_vocab)")),
     # typing.Optional: llama-cpp-python's argparse bridge understands Union, not the | syntax
-    draft_model_path: Optional[str] = Field(default=None, description="DFlash / DFlash2 drafter GGUF")  # noqa: UP045
-    draft_n_max: Optional[int] = Field(default=None, ge=0, description="tokens drafted per step (default: block - 1)")  # noqa: UP045
-    draft_n_min: int = Field(default=0, ge=0, description="drop drafts shorter than this")
-    draft_p_min: float = Field(default=0.0, ge=0.0, le=1.0,
-                               description="cut drafts at the first slot less confident than this")
-    verify: Literal["match", "rejection"] = Field(default="match", description="T > 0 verification")
-    speculation: Literal["on", "off", "auto"] = Field(
-        default="auto", description="auto: draft when the cost model says it pays (per step); on: always; off")
-    grammar_aware_drafting: bool = Field(default=True, description="drafts walk the request's grammar / JSON schema")
-    parallel: int = Field(default=4, ge=1, le=64, description="requests served together: their steps share one "
-                                                              "decode (more wait in the queue); 1: one at a time")
-    exact: bool = Field(default=False, description="exact mode: batch-invariant target settings, self-checked "
-                                                   "(speculative output bit-identical to plain decoding)")
+    flash_attn=(Optional[bool], Field(default=None, description="flash attention (default: on in exact mode, "  # noqa: UP045
+                                                                "which needs it; else off)")),
+    **{n: (ann, Field(default=default, description=options.doc(n)))
+       for n, (ann, default) in options.server_fields().items()})
 
 
 class DFlashServerSettings(ServerSettings):
@@ -114,12 +122,7 @@ _current: contextvars.ContextVar[DFlashModelSettings | None] = contextvars.Conte
 def _make_llama(*args, **kwargs) -> Llama:
     s = _current.get()
     if s is not None:
-        kwargs.update(draft_model_path=s.draft_model_path, draft_n_max=s.draft_n_max, draft_n_min=s.draft_n_min,
-                      draft_p_min=s.draft_p_min,
-                      verify=s.verify, speculation=s.speculation, grammar_aware_drafting=s.grammar_aware_drafting,
-                      exact=s.exact, parallel=s.parallel)
-        if s.exact:
-            kwargs["flash_attn"] = True  # part of exact mode's settings (the proxy passes its default, off)
+        kwargs.update({n: getattr(s, n) for n in options.NAMES})
     return Llama(*args, **kwargs)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from .. import _native
+from .. import _native, options
 from .._native import ffi, lib
 from ..errors import DFlashError
 from ..formats.config import DrafterConfig
@@ -37,6 +38,8 @@ DraftSource = Callable[[Sequence[int], int], Sequence[int]]
 """An external drafter: (committed tokens, last = anchor; n) -> up to n proposed tokens."""
 
 StepCallback = Callable[[dict], None]
+
+log = logging.getLogger("llama_dflash")
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: draw one
 
@@ -58,12 +61,12 @@ class EngineRequest:
     def check(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.draft_len < 0:
-            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
-        if self.n_min < 0:
-            raise ValueError(f"n_min must be >= 0, got {self.n_min}")
-        if not 0.0 <= self.p_min <= 1.0:  # also refuses NaN
-            raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+        # the options' own checks, named as the generator's arguments are
+        for opt, arg in (("draft_n_max", "draft_len"), ("draft_n_min", "n_min"), ("draft_p_min", "p_min")):
+            try:
+                options.check(opt, getattr(self, arg))
+            except ValueError as e:
+                raise ValueError(str(e).replace(opt, arg, 1)) from None
 
 
 class Run:
@@ -130,6 +133,8 @@ class Run:
         c = self.core
         s.exact = c.exact.describe() if c.exact is not None else (f"not exact: {c.exact_unavailable}"
                                                                  if c.exact_unavailable else "")
+        if c.exact is not None and c.exact_note:
+            s.exact += f"; {c.exact_note}"
         return s
 
 
@@ -144,21 +149,22 @@ class EngineCore(_native.Resource):
 
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
-                 capture_layers: Sequence[int] | None = None, exact: bool | str = False,
-                 model_path: str | os.PathLike | None = None, placement: str = "cpu",
-                 exact_repacked: bool = False) -> None:
+                 capture_layers: Sequence[int] | None = None, exact: exact_mode.LoadSettings | None = None,
+                 model_path: str | os.PathLike | None = None, placement: str = "cpu") -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
         self._cost_key = ""
         self._cost_id = (model_path, drafter_path, placement)
-        # exact mode: the target was loaded with exact.settings(exact_repacked) (the layout
-        # exact.weight_layout picked); attach() checks them
-        exact_mode.flash_attn_for(exact, None)  # a valid value (the caller loaded the target accordingly)
-        self._exact_wanted = exact
-        self._exact_repacked = bool(exact_repacked)
+        # exact mode: the target was loaded with ``exact`` (exact.load_settings); attach() checks it
+        exact = exact or exact_mode.LoadSettings(None, None)
+        self._exact_wanted = exact.exact
+        self._exact_repacked = bool(exact.repacked)
         self.exact: exact_mode.Verdict | None = None
-        self.exact_unavailable = ""  # exact="auto" on a target that failed the self-check: why
+        self.exact_note = ""  # what exact mode holds only for (one request at a time: joint batches differ)
+        self.exact_unavailable = exact.off  # exact="auto" ruled out (a setting, the self-check): why
+        if exact.off:
+            log.warning("llama-dflash: exact mode off (%s): default mode", exact.off)
         self._model_path = model_path
         self._n_threads = n_threads or _native.default_threads()
         if capture not in CAPTURE_MODES:
@@ -206,10 +212,12 @@ class EngineCore(_native.Resource):
                                       self._exact_repacked)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
+                log.warning("llama-dflash: exact mode off for this target (%s): default mode", v.describe())
                 exact_mode.reference_kernels(ctx, False)
             else:
                 exact_mode.require(v)
                 self.exact = v
+        self.ctx = ctx
         err = _native.err_buf()
         ctx_c = _native.ptr("struct llama_context *", ctx)
         if self._capture is not None:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import llama_cpp
 import numpy as np
 
-from .. import _native
+from .. import _native, options
 from ..cache import JsonStore, build_id, file_id, key_of
 from ..errors import DFlashError
 
@@ -157,6 +157,87 @@ def _max_rows(ctx, model, n_rows: int) -> tuple[int, float, int]:
     return max_rows, 0.0, PROBE_PREFIX
 
 
+def _decode_rows(ctx, items: list[tuple[int, int, int]], n_vocab: int) -> np.ndarray:
+    """One llama_decode of (sequence, token, position) rows; every row's logits."""
+    b = llama_cpp.llama_batch_init(len(items), 0, 1)
+    try:
+        b.n_tokens = len(items)
+        for i, (seq, t, pos) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos, 1, 1
+            b.seq_id[i][0] = seq
+        if llama_cpp.llama_decode(ctx, b) != 0:
+            raise DFlashError("exact-mode self-check: llama_decode failed on a joint probe")
+        return np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).copy()
+                         for i in range(len(items))])
+    finally:
+        llama_cpp.llama_batch_free(b)
+
+
+def _joint_probe(gctx, ctx, n_vocab: int, n_seq: int, rows: int, rng: np.random.Generator, long: bool) -> float:
+    """Largest |logit difference| between n_seq sequences verified together in the group context
+    ``gctx`` (after prefixes of different lengths, each prefilled alone as a request's prompt is: a
+    joint batch of ``rows`` rows each, in ascending sequence order as the C loop lays them out,
+    then PROBE_AFTER joint one-row steps that read its K/V) and each sequence's same tokens
+    decoded one by one in the single-sequence context ``ctx``: plain decoding."""
+    n_batch = min(int(llama_cpp.llama_n_batch(gctx)), int(llama_cpp.llama_n_batch(ctx)))
+    base = PROBE_LONG if long else PROBE_PREFIX
+    prefix = [[int(t) for t in rng.integers(0, n_vocab, base + 3 * s)] for s in range(n_seq)]
+    tail = [[int(t) for t in rng.integers(0, n_vocab, rows + PROBE_AFTER)] for _ in range(n_seq)]
+
+    def prefill(c, seq: int, toks: list[int]) -> None:
+        for c0 in range(0, len(toks), n_batch):
+            _decode_rows(c, [(seq, t, c0 + i) for i, t in enumerate(toks[c0:c0 + n_batch])], n_vocab)
+
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(gctx), True)
+    for s in range(n_seq):
+        prefill(gctx, s, prefix[s])
+    joint = _decode_rows(gctx, [(s, tail[s][j], len(prefix[s]) + j) for s in range(n_seq) for j in range(rows)],
+                         n_vocab).reshape(n_seq, rows, n_vocab)
+    after = [_decode_rows(gctx, [(s, tail[s][rows + a], len(prefix[s]) + rows + a) for s in range(n_seq)], n_vocab)
+             for a in range(PROBE_AFTER)]
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(gctx), True)
+    worst = 0.0
+    mem = llama_cpp.llama_get_memory(ctx)
+    for s in range(n_seq):
+        llama_cpp.llama_memory_clear(mem, True)
+        prefill(ctx, 0, prefix[s])
+        alone = np.concatenate([_decode_rows(ctx, [(0, t, len(prefix[s]) + j)], n_vocab)
+                                for j, t in enumerate(tail[s])])
+        got = np.concatenate([joint[s], np.stack([a[s] for a in after])])
+        if not np.array_equal(got, alone):
+            worst = max(worst, float(np.nanmax(np.abs(got - alone))))
+    llama_cpp.llama_memory_clear(mem, True)
+    return worst
+
+
+def joint_check(gctx, ctx, model, model_path: str | os.PathLike | None, n_seq: int, max_rows: int,
+                n_threads: int, repacked: bool) -> float:
+    """Whether joint batches of the group context ``gctx`` (up to ``n_seq`` sequences, at most
+    ``max_rows`` rows in all: the rows the single-sequence self-check proved invariant) round as
+    plain decoding in ``ctx`` does: the largest logit gap found (0.0: bit-identical).  Probed with
+    2 and n_seq sequences, one row each and as many as fit, after short prefixes and, where both
+    contexts hold them, long ones; cached like the self-check."""
+    per_seq = min(int(llama_cpp.llama_n_ctx(gctx)) // max(n_seq, 1), int(llama_cpp.llama_n_ctx(ctx)))
+    seqs = sorted({2, min(n_seq, max_rows)})
+    longs = (False, True) if per_seq >= PROBE_LONG + 3 * n_seq + max_rows + PROBE_AFTER else (False,)
+    key = key_of("joint", *file_id(os.fspath(model_path)), *build_id(), n_threads, n_seq, max_rows,
+                 json.dumps(settings(repacked), sort_keys=True), PROBE_VERSION, len(longs)) if model_path else ""
+    store = JsonStore("exact-verdicts.json")
+    if key and isinstance(hit := store.get(key), float):
+        return hit
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rng = np.random.default_rng(4321)
+    worst = 0.0
+    for long in longs:
+        for s in seqs:
+            for r in sorted({1, max_rows // s}):
+                if s * r <= max_rows and PROBE_PREFIX + 3 * s + r + PROBE_AFTER <= per_seq:
+                    worst = max(worst, _joint_probe(gctx, ctx, n_vocab, s, r, rng, long))
+    if key:
+        store.put(key, worst)
+    return worst
+
+
 def _reaches_long(ctx, n_rows: int) -> bool:
     """Whether the context holds the long probe (llama.cpp sizes contexts in multiples of 256, and
     one of 256 never spans the 512-cell KV view the long probe is for)."""
@@ -245,11 +326,38 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
 def flash_attn_for(exact: bool | str, flash_attn: bool | None) -> bool | None:
     """Check an ``exact`` argument (False, True or "auto") and return the flash-attention setting
     the target must be loaded with: on for exact mode, else the caller's."""
-    if exact not in (False, True, "auto"):
-        raise ValueError(f"exact must be False, True or 'auto', got {exact!r}")
-    if exact and flash_attn is False:
+    exact = options.check("exact", exact)
+    if exact is True and flash_attn is False:
         raise ValueError("exact=True needs flash attention (flash_attn=False was passed)")
-    return True if exact else flash_attn
+    return True if exact and flash_attn is not False else flash_attn
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What exact mode changes in a target's load: flash attention (None: llama.cpp's default),
+    the weight layout (``use_extra_bufts``; None: the caller's), and exact mode as it will run
+    (``exact``: False with the reason in ``off`` when "auto" met a setting that rules it out)."""
+
+    flash_attn: bool | None
+    repacked: bool | None
+    exact: bool | str = False
+    off: str = ""
+
+    def apply(self, mparams) -> None:
+        """Set the layout on a ``llama_model_params`` before the model loads."""
+        if self.repacked is not None:
+            mparams.use_extra_bufts = self.repacked
+
+
+def load_settings(exact: bool | str, model_path: str | os.PathLike, flash_attn: bool | None = None,
+                  n_threads: int | None = None, n_gpu_layers: int = 0) -> LoadSettings:
+    """The one place exact mode's load settings are decided (every loader asks here)."""
+    flash_attn = flash_attn_for(exact, flash_attn)
+    if exact == "auto" and flash_attn is False:
+        return LoadSettings(False, None, False, "flash_attn=False was asked for (exact mode needs flash attention)")
+    if not exact:
+        return LoadSettings(flash_attn, None)
+    return LoadSettings(flash_attn, weight_layout(model_path, n_threads, n_gpu_layers), exact)
 
 
 def require(v: Verdict) -> None:

@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _logger
 
-from .. import _native
+from .. import _native, options
 from ..errors import DFlashError, check_file
 from ..formats.config import DrafterConfig
 from . import exact as exact_mode
@@ -69,7 +69,7 @@ class SpeculativeGenerator(_native.Resource):
         self.last_stats: SpecStats | None = None
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
-        flash_attn = bool(exact_mode.flash_attn_for(exact, flash_attn))
+        load = exact_mode.load_settings(exact, model_path, flash_attn, n_threads, n_gpu_layers)
         self.exact = exact
         self.n_threads = n_threads or _native.default_threads()
         self.n_ctx = n_ctx
@@ -82,9 +82,7 @@ class SpeculativeGenerator(_native.Resource):
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        repacked = bool(exact) and exact_mode.weight_layout(model_path, self.n_threads, n_gpu_layers)
-        if exact:
-            mparams.use_extra_bufts = repacked
+        load.apply(mparams)
         self._model = llama_cpp.llama_model_load_from_file(model_b, mparams)
         if not self._model:
             raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
@@ -93,9 +91,8 @@ class SpeculativeGenerator(_native.Resource):
         try:
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
-                                    exact=exact, model_path=model_path,
-                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu",
-                                    exact_repacked=repacked)
+                                    exact=load, model_path=model_path,
+                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu")
         except BaseException:
             self.close()
             raise
@@ -110,7 +107,7 @@ class SpeculativeGenerator(_native.Resource):
         cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
         # Same default as llama_cpp.Llama, so plain outputs are comparable.
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if load.flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self._core.prepare_context(cparams)
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
@@ -124,6 +121,11 @@ class SpeculativeGenerator(_native.Resource):
             raise
 
     # -- info ---------------------------------------------------------------
+
+    @property
+    def exact_verdict(self):
+        """The self-check's ``exact.Verdict`` when exact mode is on (None: the default mode)."""
+        return self._core.exact if self._core is not None else None
 
     @property
     def max_draft_len(self) -> int:
@@ -219,8 +221,8 @@ class SpeculativeGenerator(_native.Resource):
         """One request on the core (the default draft length: the drafter's block - 1)."""
         if self._core is None:
             raise DFlashError("generator is closed")
-        if speculation not in (None, "auto", "on", "off"):
-            raise ValueError(f"speculation must be 'auto', 'on' or 'off', got {speculation!r}")
+        if speculation is not None:
+            options.check("speculation", speculation)
         adaptive = (speculation or ("on" if draft_len is not None else "auto")) == "auto"
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if draft_len is None:

@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import llama_cpp
 
-from .. import _native
+from .. import _native, options
 from .._native import ffi, lib
 from ..errors import DFlashError
+from . import exact as exact_mode
 from .capture import Capture
 from .engine import EngineCore, EngineRequest, Run
 from .stats import SpecStats
@@ -88,6 +89,10 @@ class GroupSequence:
         return self._cancelled.is_set()
 
 
+class JointBatchesDiffer(DFlashError):
+    """Exact mode: this target's joint batches of several sequences do not round as plain decoding."""
+
+
 class EngineGroup(_native.Resource):
     """n_seq generations at a time on ``core``'s model, each of up to ``n_ctx`` positions.
 
@@ -99,8 +104,9 @@ class EngineGroup(_native.Resource):
 
     def __init__(self, core: EngineCore, cparams, n_seq: int, n_ctx: int, *,
                  hold: Hold = contextlib.nullcontext, on_done: Callable[[SpecStats], None] | None = None) -> None:
-        if not 2 <= n_seq <= min(64, int(cparams.n_batch)):
-            raise ValueError(f"a group takes 2..min(64, n_batch {cparams.n_batch}) sequences, got {n_seq}")
+        if not 2 <= n_seq <= min(options.MAX_PARALLEL, int(cparams.n_batch)):
+            raise ValueError(f"a group takes 2..min({options.MAX_PARALLEL}, n_batch {cparams.n_batch}) sequences, "
+                             f"got {n_seq}")
         self._ctx = self._capture = None
         self._engines: list = []
         self._thread: threading.Thread | None = None
@@ -136,6 +142,14 @@ class EngineGroup(_native.Resource):
             except DFlashError:
                 self.close()
                 raise
+        if core.exact is not None:  # the rounding of the core's context, and a check that joint batches keep it
+            exact_mode.reference_kernels(self._ctx)
+            gap = exact_mode.joint_check(self._ctx, core.ctx, core._model, core._model_path, n_seq, self._max_rows,
+                                         core._n_threads, core._exact_repacked)
+            if gap != 0.0:
+                self.close()
+                raise JointBatchesDiffer(f"joint batches of {n_seq} sequences round apart from plain decoding "
+                                         f"(logit gap {gap:.3g}): requests are served one at a time")
         drafter = core.drafter.handle if core.has_drafter else ffi.NULL
         ctx_c, err = _native.ptr("struct llama_context *", self._ctx), _native.err_buf()
         for s in range(n_seq):
