@@ -12,58 +12,35 @@ import json
 import sys
 import time
 
-import llama_cpp
 import numpy as np
 
 from llama_dflash import SpeculativeGenerator
-from llama_dflash.core.rpc import Cluster, RPCError
+from llama_dflash.core.rpc import RPCError
 
 
 def out(kind: str, obj) -> None:
     print(kind, json.dumps(obj), flush=True)
 
 
-_cluster: Cluster | None = None
-
-
 def generator(a: dict, rpc: bool = True) -> SpeculativeGenerator:
-    """The target split over the cluster's servers (rpc), or all local."""
+    """The target split over the servers (rpc: the generator's rpc_servers), or all local."""
     if not rpc:
         return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1, n_gpu_layers=0)
-    # the model params the generator loads with point at the servers' devices (their list is not
-    # registered with ggml globally: only a model given it uses them)
-    default = llama_cpp.llama_model_default_params
-
-    def params():
-        p = default()
-        _cluster.apply(p)
-        return p
-
-    llama_cpp.llama_model_default_params = params
-    try:
-        return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1,
-                                    n_gpu_layers=a["n_gpu_layers"], flash_attn=a.get("flash_attn"))
-    finally:
-        llama_cpp.llama_model_default_params = default
-
-
-def connect(a: dict, **kw) -> Cluster:
-    global _cluster
-    _cluster = Cluster(a["endpoints"], **kw)
-    return _cluster
+    return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1,
+                                n_gpu_layers=a["n_gpu_layers"], flash_attn=a.get("flash_attn"),
+                                rpc_servers=a["endpoints"], rpc_timeout_s=a.get("timeout_s", 60))
 
 
 def identity(a: dict) -> dict:
     """Plain vs speculative greedy over the same split; the capture's features against a local run."""
-    cluster = connect(a)
     res = {"plain": [], "spec": [], "margins": [], "taus": []}
     with generator(a) as g:
+        cluster = g.cluster
         res["capture"] = g.capture_mode
         for p in a["prompts"]:
             toks = g.tokenize(p)
             plain = g.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
             spec = g.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
-            cluster.check()
             res["plain"].append(plain.tokens)
             res["margins"].append(plain.margins)
             res["spec"].append(spec.tokens)
@@ -85,9 +62,9 @@ def identity(a: dict) -> dict:
 
 
 def kill(a: dict) -> dict:
-    """Stream; the parent kills a server after the first STEP lines: a clear RPCError, no abort, no
-    hang; then (GO: the server is back) the same request on a reloaded model equals a plain one."""
-    cluster = connect(a, timeout_s=a.get("timeout_s", 20))
+    """Stream; the parent kills a server after the first STEP lines: the generator raises one clear
+    RPCError line (no abort, no hang) before handing out a failed step's tokens; then (GO: the
+    server is back) the same generator's next requests (it loads the model again) equal plain ones."""
     res = {}
     g = generator(a)
     toks = g.tokenize(a["prompts"][0])
@@ -95,7 +72,6 @@ def kill(a: dict) -> dict:
     try:
         n = 0
         for step in g.stream(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False):
-            cluster.check()  # before the step's tokens are taken: a lost server's rows are garbage
             got += step
             n += 1
             out("STEP", n)
@@ -104,25 +80,21 @@ def kill(a: dict) -> dict:
     except RPCError as e:
         res["error"] = str(e)
     res["tokens_before_error"] = len(got)
-    g.close()
     out("LOST", {"error": res["error"], "n": len(got)})
     sys.stdin.readline()  # GO
-    cluster.mark()
-    with generator(a) as g2:
-        plain = g2.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
-        spec = g2.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
-        cluster.check()
+    with g:
+        plain = g.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
+        spec = g.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
     res["partial"] = got
     res["plain"], res["spec"], res["margins"] = [plain.tokens], [spec.tokens], [plain.margins]
     return res
 
 
 def too_big(a: dict) -> dict:
-    cluster = connect(a)
     try:
         g = generator(a)
     except Exception as e:  # noqa: BLE001 - the test asserts its type and message
-        return {"error": f"{type(e).__name__}: {e}", "load_error": str(cluster.load_error(a["target"]))}
+        return {"error": f"{type(e).__name__}: {e}"}
     g.close()
     return {"error": None}
 

@@ -286,5 +286,5 @@ def test_model_too_big_for_the_servers(artifacts):
 
     with rpc.RPCServer(n_threads=1, mem_limit_mb=160) as s:
         res = run_child("too_big", {"endpoints": s.endpoint, "target": str(default_target()), "n_gpu_layers": 99})
-    assert res["error"] is not None
-    assert "\n" not in res["load_error"] and "not enough memory" in res["load_error"], res
+    assert res["error"] is not None and res["error"].startswith("RPCError: ")
+    assert "\n" not in res["error"] and "not enough memory" in res["error"], res

@@ -65,6 +65,38 @@ def _path(name: str, v: Any) -> str | None:
     return os.fspath(v)
 
 
+def parse_endpoints(spec: Any, name: str = "rpc_servers") -> list[tuple[str, int]]:
+    """``"host:port,host:port"`` (or a list of such strings) -> [(host, port)]; ValueError, one line."""
+    if isinstance(spec, str):
+        items = spec.split(",")
+    elif isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):
+        items = [x for s in spec for x in s.split(",")]
+    else:
+        raise ValueError(f"{name} must be \"host:port[,host:port...]\" (or None: all local), got {spec!r}")
+    out = []
+    for raw in items:
+        s = raw.strip()
+        if not s:
+            continue
+        host, sep, port = s.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{name} must be host:port[,host:port...]: bad endpoint {s!r} "
+                             "(e.g. 192.168.1.5:50052)")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError(f"{name} must be host:port[,host:port...]: it is empty (None: all local)")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must list each endpoint once: {spec!r}")
+    return out
+
+
+def _endpoints(name: str, v: Any) -> str | None:
+    if v is None:
+        return None
+    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in parse_endpoints(v, name))
+
+
 def _flag(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{name} must be True or False, got {v!r}")
@@ -112,6 +144,12 @@ class SpecOptions:
         None, "the small-batch kernels for the target's verify products (docs/architecture.md §13): True / "
               "False switch them on / off for the process; None leaves them (on where this CPU runs them; "
               "LLAMA_DFLASH_KERNELS=0 keeps them off)", Optional[bool], _one_of(None, True, False))
+    rpc_servers: str | None = _opt(
+        None, "llama.cpp rpc-server endpoints, \"host:port,host:port\", to split the target over "
+              "(scripts/setup.sh --rpc; docs/architecture.md §14): n_gpu_layers of its layers go to them, as "
+              "llama.cpp splits layers over GPUs; the drafter and its cache stay local; a server lost "
+              "mid-generation is an RPCError and the next request reloads; None: all local",
+        Optional[str], _endpoints)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -208,8 +208,9 @@ class EngineCore(_native.Resource):
         if self._exact_wanted:  # before the capture is bound and before the context's first use
             exact_mode.reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
             rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
+            placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
             v = exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads,
-                                      self._exact_repacked)
+                                      self._exact_repacked, placement="" if placement == "cpu" else placement)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
                 log.warning("llama-dflash: exact mode off for this target (%s): default mode", v.describe())
@@ -365,6 +366,12 @@ class EngineCore(_native.Resource):
         """Someone else changed the context's KV: do not reuse what the engine left there."""
         if self._engine is not None:
             lib.dflash_engine_forget(self._engine)
+
+    def lost(self) -> None:
+        """The target's rpc server was lost (core/rpc.py): the steps since timed nothing real, so the
+        cost model's refinement is not saved, and the KV is not reused."""
+        self._cost_key = ""
+        self.forget()
 
     def features(self, tokens: Sequence[int]) -> np.ndarray:
         """Target features of ``tokens`` (decoded from position 0): [n, n_taps * n_embd] float32."""

@@ -131,9 +131,10 @@ def settings(repacked: bool) -> dict:
     return {**EXACT_SETTINGS, "use_extra_bufts": bool(repacked)}
 
 
-def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool, long: bool) -> str:
+def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool, long: bool, placement: str = "") -> str:
     return key_of(*file_id(model_path), *build_id(), n_threads, n_rows,
-                  json.dumps(settings(repacked), sort_keys=True), PROBE_VERSION, long)
+                  json.dumps(settings(repacked), sort_keys=True), PROBE_VERSION, long,
+                  *([placement] if placement else []))
 
 
 def _max_rows(ctx, model, n_rows: int) -> tuple[int, float, int]:
@@ -302,16 +303,16 @@ def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
 
 
 def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
-               repacked: bool = False) -> Verdict:
+               repacked: bool = False, placement: str = "") -> Verdict:
     """Probe batches of 2..n_rows rows on the target context ``ctx`` (``llama_context *``, before
     its first use: its memory is cleared afterwards), loaded with the weight layout ``repacked``;
-    cached when ``model_path`` is given."""
+    cached when ``model_path`` is given (per ``placement`` too: offloaded layers, rpc servers)."""
     n_batch = int(llama_cpp.llama_n_batch(ctx))
     if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
         raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
-    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, _reaches_long(ctx, n_rows)) \
-        if model_path else ""
+    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, _reaches_long(ctx, n_rows),
+                     placement) if model_path else ""
     store = JsonStore("exact-verdicts.json")
     if key and isinstance(hit := store.get(key), dict):
         with contextlib.suppress(TypeError):  # an entry of another version: probe again

@@ -15,6 +15,7 @@ from .. import _native, options
 from ..errors import DFlashError, check_file
 from ..formats.config import DrafterConfig
 from . import exact as exact_mode
+from . import rpc
 from .engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from .sampling import SamplingParams
 from .stats import SpecStats
@@ -48,6 +49,12 @@ class SpeculativeGenerator(_native.Resource):
     text with and without the drafter.  Drafts are capped at the largest invariant batch; a model
     whose 2-row batches already differ raises DFlashError (``exact="auto"``: runs in the default
     mode instead, the reason in every ``stats.exact``).
+
+    ``rpc_servers="host:port,host:port"`` splits the target over llama.cpp ``rpc-server``s
+    (``core.rpc``): ``n_gpu_layers`` of its layers (-1: all) go to them, the drafter stays local.  A
+    server lost mid-generation raises ``rpc.RPCError`` (one line) before any token of the failed step
+    is handed out; the next call loads the model again (once the server is back).  rpc_timeout_s: how
+    long a server may stay silent before it counts as lost.
     """
 
     def __init__(
@@ -63,36 +70,63 @@ class SpeculativeGenerator(_native.Resource):
         capture_layers: Sequence[int] | None = None,
         flash_attn: bool | None = None,
         exact: bool | str = False,
+        rpc_servers: str | Sequence[str] | None = None,
+        rpc_timeout_s: float = rpc.DEFAULT_TIMEOUT_S,
         verbose: bool | None = False,
     ) -> None:
-        self._model = self._ctx = self._core = None
+        self._model = self._ctx = self._core = self._cluster = None
+        self._lost = False  # an rpc server was lost: the next request loads the model again
         self.last_stats: SpecStats | None = None
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
+        rpc_servers = options.check("rpc_servers", rpc_servers)
+        if rpc_servers is not None and not n_gpu_layers:
+            raise ValueError("rpc_servers needs n_gpu_layers > 0 (-1: every layer): it sets how many of the "
+                             "target's layers go to the servers")
+        n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers  # (as llama_cpp.Llama: all)
         load = exact_mode.load_settings(exact, model_path, flash_attn, n_threads, n_gpu_layers)
         self.exact = exact
         self.n_threads = n_threads or _native.default_threads()
         self.n_ctx = n_ctx
-        model_b = check_file(model_path, "target model")
+        check_file(model_path, "target model")
         if drafter_path is not None:
             check_file(drafter_path, "drafter")
         if verbose is not None:  # None: leave llama.cpp's log level as the caller set it
             _logger.set_verbose(verbose)
         llama_cpp.llama_backend_init()
+        if rpc_servers is not None:
+            self._cluster = rpc.Cluster(rpc_servers, timeout_s=rpc_timeout_s)
+        placement = f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu"
+        if self._cluster is not None:
+            placement = f"rpc={','.join(self._cluster.endpoints)};{placement}"
+        self.placement = placement
+        self._load_args = dict(model_path=model_path, drafter_path=drafter_path, n_batch=n_batch,
+                               n_gpu_layers=n_gpu_layers, capture=capture, capture_layers=capture_layers,
+                               load=load)
+        self._load(**self._load_args)
 
+    def _load(self, model_path, drafter_path, n_batch, n_gpu_layers, capture, capture_layers, load) -> None:
+        """Load the target (over the rpc servers, if any), the engine core and the context."""
+        cluster = self._cluster
+        if cluster is not None:
+            cluster.mark()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         load.apply(mparams)
-        self._model = llama_cpp.llama_model_load_from_file(model_b, mparams)
+        if cluster is not None:
+            cluster.apply(mparams)
+        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(os.fspath(model_path)), mparams)
         if not self._model:
+            if cluster is not None:
+                raise cluster.load_error(model_path)
             raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        n_ctx = self.n_ctx
         try:
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
-                                    exact=load, model_path=model_path,
-                                    placement=f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu")
+                                    exact=load, model_path=model_path, placement=self.placement)
         except BaseException:
             self.close()
             raise
@@ -113,12 +147,41 @@ class SpeculativeGenerator(_native.Resource):
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             self.close()
+            if cluster is not None:
+                raise cluster.load_error(model_path)
             raise DFlashError(f"cannot create a context with n_ctx={n_ctx}, n_batch={n_batch}")
         try:
-            self._core.attach(self._ctx)
+            self._core.attach(self._ctx)  # (exact mode's self-check decodes: over the servers too)
+            self._check_rpc(loading=True)
         except BaseException:
             self.close()
             raise
+
+    # -- rpc ----------------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> rpc.Cluster | None:
+        """The rpc servers the target is split over (None: all local)."""
+        return self._cluster
+
+    def _check_rpc(self, loading: bool = False) -> None:
+        """After a decode: RPCError when a server was lost meanwhile (what it produced is garbage);
+        the engine then forgets its cache and the next request loads the model again."""
+        if self._cluster is None or self._cluster.lost() is None:
+            return
+        self._lost = True
+        if self._core is not None:
+            self._core.lost()
+        if loading:
+            raise rpc.RPCError(f"cannot load {os.fspath(self._load_args['model_path'])!r} over RPC: "
+                               f"{self._cluster.lost()}")
+        self._cluster.check()
+
+    def _reconnect(self) -> None:
+        """The model loaded again over the servers (after a loss: a new connection each)."""
+        self.close()
+        self._lost = False
+        self._load(**self._load_args)
 
     # -- info ---------------------------------------------------------------
 
@@ -191,6 +254,7 @@ class SpeculativeGenerator(_native.Resource):
         with self._run(prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
                        reuse_prefix, speculation) as run:
             toks, margins, stats = run.generate(return_margins)
+            self._check_rpc()
         return GenerationResult(tokens=toks, text=self.detokenize(toks), stats=stats, margins=margins)
 
     def stream(
@@ -212,13 +276,17 @@ class SpeculativeGenerator(_native.Resource):
         with self._run(prompt, max_tokens, draft_len, draft_source, stop_on_eos, None, sampling, p_min,
                        reuse_prefix, speculation) as run:
             try:
-                yield from run.steps()
+                for step in run.steps():
+                    self._check_rpc()  # before the step's tokens are handed out
+                    yield step
             finally:
                 self.last_stats = run.stats()
 
     def _run(self, prompt, max_tokens, draft_len, draft_source, stop_on_eos, on_step, sampling, p_min,
              reuse_prefix, speculation):
         """One request on the core (the default draft length: the drafter's block - 1)."""
+        if self._lost:
+            self._reconnect()
         if self._core is None:
             raise DFlashError("generator is closed")
         if speculation is not None:
@@ -254,7 +322,11 @@ class SpeculativeGenerator(_native.Resource):
 
     def features(self, tokens: Sequence[int]) -> np.ndarray:
         """Target features of `tokens` (decoded from position 0): [n, n_taps * n_embd] float32."""
-        return self._core.features(tokens)
+        if self._lost:
+            self._reconnect()
+        out = self._core.features(tokens)
+        self._check_rpc()
+        return out
 
     @property
     def drafter(self):

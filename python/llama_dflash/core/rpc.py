@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import _native
+from .. import _native, options
 from .._native import ffi, lib
 from ..cache import cache_dir
 from ..errors import DFlashError
@@ -50,23 +50,9 @@ def client_version() -> tuple[int, int, int]:
 
 
 def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
-    """``"host:port,host:port"`` (or a list of such strings) -> [(host, port)]; ValueError with one line."""
-    items = spec.split(",") if isinstance(spec, str) else [str(s) for s in spec]
-    out = []
-    for raw in items:
-        s = raw.strip()
-        if not s:
-            continue
-        host, sep, port = s.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad rpc server endpoint {s!r}: want host:port (e.g. 192.168.1.5:50052)")
-        out.append((host, int(port)))
-    if not out:
-        raise ValueError("rpc_servers is empty: want host:port[,host:port...]")
-    if len(set(out)) != len(out):
-        raise ValueError(f"rpc_servers lists an endpoint twice: {spec!r}")
-    return out
+    """``"host:port,host:port"`` (or a list of such strings) -> [(host, port)]; ValueError with one line
+    (the ``rpc_servers`` option's own check: ``options.parse_endpoints``)."""
+    return options.parse_endpoints(spec)
 
 
 def probe(host: str, port: int, timeout_s: float = 10.0) -> tuple[int, int, int]:
