@@ -90,6 +90,57 @@ def kill(a: dict) -> dict:
     return res
 
 
+def llama_kill(a: dict) -> dict:
+    """llama_dflash.Llama(rpc_servers=..., n_gpu_layers=...): a greedy completion (speculative, then
+    plain on the same split); a stream the parent cuts by killing a server: one RPCError line and
+    the Llama's state dropped whole (n_tokens 0, its engine's KV forgotten); a request while the
+    server is down: one RPCError line; once it is back (GO), the next completion loads the model
+    again and equals the first."""
+    from llama_dflash import Llama
+
+    llm = Llama(a["target"], draft_model_path=a.get("drafter"), rpc_servers=a["endpoints"],
+                n_gpu_layers=a["n_gpu_layers"], n_ctx=512, n_threads=1, verbose=False)
+    res = {"options_rpc": llm.options.rpc_servers}
+    prompt = a["prompts"][0]
+    usage = {}
+
+    def complete(n: int) -> str:
+        r = llm.create_completion(prompt, max_tokens=n, temperature=0)
+        usage.update(r["usage"])
+        return r["choices"][0]["text"]
+
+    res["spec"] = complete(a["n_tokens"])
+    res["exact"] = llm.last_speculative_stats.exact
+    llm.speculation = "off"  # (llama-cpp-python's own decoding over the split)
+    res["plain"] = complete(a["n_tokens"])
+    llm.speculation = "on"
+    res["n_tokens_after"] = llm.n_tokens
+    pieces: list[str] = []
+    try:
+        for n, ch in enumerate(llm.create_completion(prompt, max_tokens=400, temperature=0, stream=True), 1):
+            pieces.append(ch["choices"][0]["text"])
+            out("STEP", n)
+            time.sleep(a.get("step_sleep", 0))
+        res["error"] = None
+    except RPCError as e:
+        res["error"] = str(e)
+    res["partial"] = "".join(pieces)
+    res["n_tokens_lost"] = llm.n_tokens
+    try:
+        complete(4)
+        res["error_down"] = None
+    except RPCError as e:
+        res["error_down"] = str(e)
+    out("LOST", {"error": res["error"], "n": len(pieces)})
+    sys.stdin.readline()  # GO
+    res["again"] = complete(a["n_tokens"])
+    # what the Llama holds: the prompt and every token handed out but the last (not evaluated yet)
+    res["n_tokens_again"], res["n_expected"] = llm.n_tokens, usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    res["stats_again"] = llm.last_speculative_stats.as_dict()
+    llm.close()
+    return res
+
+
 def too_big(a: dict) -> dict:
     try:
         g = generator(a)
@@ -101,4 +152,4 @@ def too_big(a: dict) -> dict:
 
 if __name__ == "__main__":
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
-    out("RESULT", {"identity": identity, "kill": kill, "too_big": too_big}[scenario](args))
+    out("RESULT", {"identity": identity, "kill": kill, "llama_kill": llama_kill, "too_big": too_big}[scenario](args))

@@ -17,7 +17,8 @@ from llama_dflash.options import SpecOptions
 BAD = [("draft_n_max", -1), ("draft_n_max", 2.5), ("draft_n_max", True), ("draft_n_min", -3),
        ("draft_p_min", 1.5), ("draft_p_min", math.nan), ("draft_p_min", "0.5"), ("verify", "greedy"),
        ("speculation", "always"), ("grammar_aware_drafting", "yes"), ("exact", 1), ("exact", "on"),
-       ("parallel", 0), ("parallel", options.MAX_PARALLEL + 1), ("kernels", 0), ("draft_model_path", 5)]
+       ("parallel", 0), ("parallel", options.MAX_PARALLEL + 1), ("kernels", 0), ("draft_model_path", 5),
+       ("rpc_servers", "localhost"), ("rpc_servers", "h:0"), ("rpc_servers", ""), ("rpc_servers", 5)]
 
 
 def test_defaults_and_checks():
@@ -43,6 +44,9 @@ def test_llama_takes_the_options_with_their_checks(tmp_path):
             llama_dflash.Llama(str(tmp_path / "missing.gguf"), **{name: value})
     with pytest.raises(TypeError, match="speculative options are"):
         llama_dflash.Llama(str(tmp_path / "missing.gguf"), draft_n_maximum=3)
+    assert options.check("rpc_servers", " a:1, [::1]:2 ") == "a:1,[::1]:2"
+    with pytest.raises(ValueError, match="needs n_gpu_layers"):  # (nothing would go to the servers)
+        llama_dflash.Llama(str(tmp_path / "missing.gguf"), rpc_servers="127.0.0.1:1")
 
 
 def test_llama_options_round_trip(artifacts):
@@ -70,9 +74,11 @@ def test_server_settings_derive_from_the_options():
         assert fields[n].default == f.metadata.get("server_default", f.default)
     assert fields["parallel"].default == 4 and fields["exact"].default == "auto"
     s = server.DFlashModelSettings(model="m.gguf", exact="false", parallel=2, kernels="0")
-    assert s.exact is False and s.parallel == 2 and s.kernels is False
+    assert s.exact is False and s.parallel == 2 and s.kernels is False and s.rpc_servers is None
+    assert server.DFlashModelSettings(model="m.gguf", rpc_servers="h:1,h:2").rpc_servers == "h:1,h:2"
     assert server.DFlashModelSettings(model="m.gguf", exact="auto").exact == "auto"
-    for name, value in [("parallel", 0), ("draft_p_min", 2.0), ("speculation", "x"), ("exact", "sometimes")]:
+    for name, value in [("parallel", 0), ("draft_p_min", 2.0), ("speculation", "x"), ("exact", "sometimes"),
+                        ("rpc_servers", "h")]:
         with pytest.raises(server.ValidationError) as e:
             server.DFlashModelSettings(model="m.gguf", **{name: value})
         assert e.value.errors()[0]["loc"] == (name,)

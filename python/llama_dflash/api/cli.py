@@ -129,7 +129,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     prompt = _prompt(a)
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
-                              exact=a.exact) as g:
+                              exact=a.exact, **_placement(a)) as g:
         res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a),
                          speculation=a.speculation)
     if a.json:
@@ -144,6 +144,27 @@ EXACT_HELP = ("exact mode only: refuse a target whose self-check fails (default:
               "self-check passes, else the default mode with the reason logged)")
 DEFAULT_MODE_HELP = ("the default mode: faster verify batches on some targets, but output may differ from plain "
                      "decoding at numerical near-ties")
+
+
+def _endpoints(text: str) -> str:
+    try:
+        return options.check("rpc_servers", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("rpc_servers", "--rpc", 1)) from None
+
+
+def _add_rpc(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT]", type=_endpoints, default=None,
+                   help="split the target over these llama.cpp rpc-servers (scripts/setup.sh --rpc builds "
+                        "rpc-server); the drafter stays local")
+    p.add_argument("--n-gpu-layers", type=_int(-1), default=None,
+                   help="the target's layers offloaded (with --rpc: to the servers; default there: all)")
+
+
+def _placement(a: argparse.Namespace) -> dict:
+    """The generator's rpc_servers and n_gpu_layers from --rpc / --n-gpu-layers."""
+    n = a.n_gpu_layers if a.n_gpu_layers is not None else (-1 if a.rpc else 0)
+    return {"rpc_servers": a.rpc, "n_gpu_layers": n}
 
 
 def _add_exact(p: argparse.ArgumentParser, exact_help: str = EXACT_HELP) -> None:
@@ -175,7 +196,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
                                 rope_theta=100000.0, rms_eps=1e-5)
             write_drafter(drafter, cfg, random_drafter_tensors(cfg, seed=0), target, outtype="q8_0")
     with SpeculativeGenerator(target, drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
-                              exact=a.exact) as g:
+                              exact=a.exact, **_placement(a)) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
         plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
@@ -223,6 +244,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     """Interactive streaming chat through the drop-in Llama; prints tau and tok/s after each reply."""
+    from ..core.rpc import RPCError
     from .llama import Llama
 
     model = a.model
@@ -234,7 +256,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         shipped = shipped_drafter()
         drafter = drafter or (str(shipped) if shipped else None)
     llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
-                seed=a.seed, verbose=a.verbose, exact=a.exact, speculation=a.speculation)
+                seed=a.seed, verbose=a.verbose, exact=a.exact, speculation=a.speculation, **_placement(a))
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
     try:
@@ -251,11 +273,16 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 break
             messages.append({"role": "user", "content": text})
             reply = []
-            for chunk in llm.create_chat_completion(messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                                                    seed=a.seed, stream=True):
-                piece = chunk["choices"][0]["delta"].get("content") or ""
-                reply.append(piece)
-                print(piece, end="", flush=True)
+            try:
+                for chunk in llm.create_chat_completion(messages, max_tokens=a.max_tokens,
+                                                        temperature=a.temperature, seed=a.seed, stream=True):
+                    piece = chunk["choices"][0]["delta"].get("content") or ""
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+            except RPCError as e:  # a lost rpc server: this reply is dropped, the next message reloads
+                print(f"\nllama-dflash: error: {e}", file=sys.stderr)
+                messages.pop()
+                continue
             print()
             messages.append({"role": "assistant", "content": "".join(reply)})
             s = llm.last_speculative_stats
@@ -391,7 +418,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
     if sp.temperature > 0 and sp.mode == "rejection":
         raise ValueError("rejection mode is not seed-identical to plain decoding by design: diff it with --mode match")
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
-                              exact=a.exact) as g:
+                              exact=a.exact, **_placement(a)) as g:
         toks = g.tokenize(_prompt(a))
         plain = g.generate(toks, a.max_tokens, draft_len=0, sampling=sp, return_margins=True)
         steps: list[dict] = []
@@ -401,8 +428,8 @@ def cmd_diff(a: argparse.Namespace) -> int:
         if g.exact_verdict is not None:  # no numerics to certify: any divergence is a bug
             report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0)
             return _exact_diff(a, report, spec.stats.exact)
-        if sp.temperature == 0 and not a.no_replay:
-            replay = replay_divergence(a.model, toks, plain, spec, steps, a.n_ctx, a.threads)
+        if sp.temperature == 0 and not a.no_replay and not a.rpc:  # (the replay runs locally)
+            replay = replay_divergence(a.model, toks, plain, spec, steps, a.n_ctx, a.threads, g.flash_attn)
         report = divergence_report(g, plain, spec, a.eps, sampled=sp.temperature > 0, replay=replay)
     i = report.get("position")
     if a.json:
@@ -472,10 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(g)
     _add_sampling(g)
     _add_exact(g)
+    _add_rpc(g)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="plain vs speculative on the embedded default model")
     _add_common(d)
     _add_exact(d)
+    _add_rpc(d)
     d.set_defaults(func=cmd_demo)
     df = sub.add_parser("diff", help="plain vs speculative side by side; classify the first divergence")
     df.add_argument("--model", required=True)
@@ -491,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(df)
     _add_sampling(df)
     _add_exact(df, EXACT_HELP + "; in exact mode any divergence exits 1")
+    _add_rpc(df)
     df.set_defaults(func=cmd_diff)
     ch = sub.add_parser("chat", help="interactive streaming chat (default: the embedded model and drafter)")
     ch.add_argument("--model", default=None, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
@@ -505,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--seed", type=_seed, default=0xFFFFFFFF)
     ch.add_argument("--verbose", action="store_true")
     _add_exact(ch)
+    _add_rpc(ch)
     ch.set_defaults(func=cmd_chat)
     # `serve` is parsed by the server itself (main() hands it every argument); listed for --help
     sub.add_parser("serve", help="OpenAI-compatible server: llama-dflash serve --model T.gguf --draft_model_path "

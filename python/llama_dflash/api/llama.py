@@ -29,6 +29,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 from .. import options
 from ..core import exact as exact_mode
 from ..core import kernels as _kernels
+from ..core import rpc
 from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
 from ..core.group import EngineGroup, JointBatchesDiffer
 from ..core.sampling import SamplingParams
@@ -160,6 +161,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *args, speculative=None, **kwargs) -> None:
+        init_args = (model_path, args, speculative, dict(kwargs))  # (loaded again after a lost rpc server)
         opts = SpecOptions.take(kwargs)
         if speculative is not None:
             kind = str(getattr(speculative, "spec_type", "dflash")).lower()
@@ -184,6 +186,17 @@ class Llama(llama_cpp.Llama):
                             f"{sorted([*options.NAMES, 'speculative'])}")
         if opts.kernels is not None:
             _kernels.set_enabled(opts.kernels)
+        cluster = None
+        if opts.rpc_servers is not None:  # the target split over llama.cpp rpc-servers (core/rpc.py)
+            if not kwargs.get("n_gpu_layers"):
+                raise ValueError("rpc_servers needs n_gpu_layers > 0 (-1: every layer): it sets how many of the "
+                                 "target's layers go to the servers")
+            if opts.parallel > 1:  # (a lost server's garbage would reach every sequence of a joint decode)
+                _log.warning("llama-dflash: parallel=%d over rpc servers: one request at a time", opts.parallel)
+                opts = dataclasses.replace(opts, parallel=1)
+            cluster = rpc.Cluster(opts.rpc_servers)
+            self.__dict__["_init_args"] = init_args
+        self.__dict__["_cluster"] = cluster  # read by the model_params setter, during the base's init
         _logger.set_verbose(kwargs.get("verbose", True))  # (as the base class does first: exact mode's probes load)
         # (without a drafter or concurrent requests every decode is llama-cpp-python's own: nothing to make exact)
         engine = opts.draft_model_path is not None or opts.parallel > 1
@@ -212,7 +225,12 @@ class Llama(llama_cpp.Llama):
             # cb_eval capture (qwen2, gemma3, ...) must be in the context params (see _model below)
             self._pending_core = {"drafter_path": opts.draft_model_path, "n_batch": kwargs.get("n_batch", 512),
                                   "n_threads": kwargs.get("n_threads")}
-        super().__init__(model_path, *args, **kwargs)
+        try:
+            super().__init__(model_path, *args, **kwargs)
+        except ValueError as e:  # (llama-cpp-python's "Failed to load model" / "... create llama_context")
+            if cluster is None or not str(e).startswith("Failed to"):
+                raise
+            raise cluster.load_error(model_path) from None
         self.__dict__.pop("_pending_core", None)
         self.verify = opts.verify
         self.speculation = opts.speculation
@@ -246,6 +264,8 @@ class Llama(llama_cpp.Llama):
             # at start, not in the first request (a cached model or a fraction of a second; it clears
             # the context, empty now); with parallel > 1 it is every slot's prior too
             self._core.ensure_costs()
+        if cluster is not None and cluster.lost() is not None:  # (the self-check and the costs decode there)
+            raise rpc.RPCError(f"cannot load {model_path!r} over RPC: {cluster.lost()}")
         if parallel > 1:
             me = weakref.ref(self)  # (the scheduler thread must not keep the model alive)
             try:
@@ -312,6 +332,8 @@ class Llama(llama_cpp.Llama):
     @model_params.setter
     def model_params(self, params) -> None:
         self.__dict__["_load"].apply(params)
+        if (cluster := self.__dict__.get("_cluster")) is not None:
+            cluster.apply(params)  # its devices only: n_gpu_layers of the target's layers go there
         self.__dict__["_dflash_model_params"] = params
 
     @property
@@ -325,7 +347,7 @@ class Llama(llama_cpp.Llama):
     @property
     def _model(self):
         if self._closed():
-            raise DFlashError(_CLOSED)
+            raise self._closed_error()
         try:
             return self.__dict__["_dflash_target"]
         except KeyError:
@@ -345,11 +367,65 @@ class Llama(llama_cpp.Llama):
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
                                 exact=self.__dict__["_load"], model_path=self.model_path,
-                                placement=f"n_gpu_layers={g}" if (g := self.model_params.n_gpu_layers) else "cpu")
+                                placement=self._placement())
         self._core.prepare_context(self.context_params)
+
+    def _placement(self) -> str:
+        """Where the target runs (what its cost model and exact-mode verdict are kept for)."""
+        g = self.model_params.n_gpu_layers
+        where = f"n_gpu_layers={g}" if g else "cpu"
+        cluster = self.__dict__.get("_cluster")
+        return where if cluster is None else f"rpc={','.join(cluster.endpoints)};{where}"
+
+    # -- rpc servers (core/rpc.py): a lost one ends the request; the next one loads the model again
+
+    def _rpc_check(self) -> None:
+        """After a decode: RPCError (one line) when a server was lost since the model loaded; what
+        that decode produced is garbage, so the context's state is dropped (n_tokens 0, the engine's
+        KV forgotten) and the next request loads the model again."""
+        cluster = self.__dict__.get("_cluster")
+        if cluster is None or cluster.lost() is None:
+            return
+        self.__dict__["_rpc_reload"] = True
+        if self.__dict__.get("_core") is not None:
+            self._core.lost()
+        self.n_tokens = 0
+        cluster.check()
+
+    def _rpc_reconnect(self) -> None:
+        """At the next request after a lost server: the model loaded again with the same arguments,
+        each server reached afresh (the old connections closed first: an rpc-server serves one client
+        at a time).  While a server is still down that raises RPCError, this Llama stays unloaded and
+        the request after tries again.  What the caller set here is kept (callbacks, stop event,
+        seed, cache, stats)."""
+        if not self.__dict__.get("_rpc_reload"):
+            return
+        with self._serial.hold():
+            if not self.__dict__.get("_rpc_reload"):
+                return  # (another thread's request did it)
+            keep = {k: self.__dict__[k] for k in ("_serial", "stop_requested", "draft_source", "on_step", "_seed",
+                                                  "cache", "speculative_stats_total", "last_speculative_stats",
+                                                  "_init_args") if k in self.__dict__}
+            model_path, args, speculative, kwargs = keep["_init_args"]
+            self.__dict__["_rpc_reload"] = False  # (no reentry while it loads)
+            try:
+                self._close()
+                self.__dict__.pop("_dflash_closed", None)
+                Llama.__init__(self, model_path, *args, speculative=speculative, **kwargs)
+            except BaseException as e:
+                with contextlib.suppress(Exception):
+                    self._close()  # what the failed load left (its connections too)
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.__dict__["_dflash_closed"] = (f"{msg} (the model is unloaded after a lost rpc server; the "
+                                                   "next request loads it again)")
+                self.__dict__["_rpc_reload"] = True
+                raise
+            finally:
+                self.__dict__.update(keep)
 
     def _create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
         kwargs.update(zip(_COMPLETION_ARGS, args, strict=False))
+        self._rpc_reconnect()  # (after a lost rpc server)
         if (self._core is None or suffix is not None or self._logits_all
                 or (kwargs.get("echo") and kwargs.get("logprobs") is not None)):
             origin = self.__dict__.get("_origin")
@@ -365,6 +441,7 @@ class Llama(llama_cpp.Llama):
     def create_chat_completion(self, messages, *args, **kwargs):
         # response_format may also take OpenAI's {"type": "json_schema", ...} form
         bound = _CHAT_SIGNATURE.bind(self, messages, *args, **kwargs)
+        self._rpc_reconnect()  # (after a lost rpc server)
         if "response_format" in bound.arguments:
             bound.arguments["response_format"] = openai_response_format(bound.arguments["response_format"])
         return super().create_chat_completion(*bound.args[1:], **bound.kwargs)
@@ -513,6 +590,7 @@ class Llama(llama_cpp.Llama):
         ``completion.TokenLogprobs`` with its n best alternatives."""
         budget = self._base_budget if draft_budget is None else draft_budget
         self._base_budget = -1
+        self._rpc_reconnect()
         reason = self._fallback_reason(temp, mirostat_mode)
         if self._core is None or reason is not None:
             self._forget()  # the base class is about to use the context
@@ -563,18 +641,23 @@ class Llama(llama_cpp.Llama):
         if (origin := self.__dict__.get("_origin")) is not None:
             return origin.embed(*args, **kwargs)
         with self._serial.hold():
+            self._rpc_reconnect()
             self._forget()  # embedding clears the KV cache
-            return super().embed(*args, **kwargs)
+            out = super().embed(*args, **kwargs)
+            self._rpc_check()
+            return out
 
     @functools.wraps(llama_cpp.Llama.eval)
     def eval(self, tokens: Sequence[int]) -> None:
         if (origin := self.__dict__.get("_origin")) is not None:
             return origin.eval(tokens)
         with self._serial.hold():
+            self._rpc_reconnect()
             if getattr(self, "_core", None) is not None:
                 self._outside_eval = True  # the next generation must use what this put in the context
                 self._forget()
             super().eval(tokens)
+            self._rpc_check()  # (the base class's own decoding comes here too)
             self._eval_end = self.n_tokens
 
     def _speculate(self, toks: list[int], max_tokens: int, sp: SamplingParams, budget: int,
@@ -590,6 +673,7 @@ class Llama(llama_cpp.Llama):
         with self._core.run(toks, req, draft_source=self.draft_source, on_step=self.on_step, history=toks) as run:
             try:
                 for step in run.steps():
+                    self._rpc_check()  # before the step's tokens are handed out (a lost server's are garbage)
                     if self.stop_requested.is_set() and n_ids > len(toks):
                         return
                     for k, t in enumerate(step):
@@ -612,6 +696,8 @@ class Llama(llama_cpp.Llama):
                 # As the base class leaves it: the last token handed out is not evaluated yet.
                 kv_len = self._engine_kv_len()
                 kept = min(kv_len, max(n_ids - 1, len(toks)))
+                if self.__dict__.get("_rpc_reload"):  # a lost server: nothing of the context is kept
+                    kept = kv_len = 0
                 if kept < kv_len:  # the consumer stopped inside a step: drop what it never saw
                     llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), 0, kept, -1)
                     self._core.forget()
@@ -666,9 +752,16 @@ class Llama(llama_cpp.Llama):
         origin = self.__dict__.get("_origin")
         return bool((origin if origin is not None else self).__dict__.get("_dflash_closed"))
 
+    def _closed_error(self) -> DFlashError:
+        """Why the model cannot be used: closed, or unloaded after a lost rpc server (its message)."""
+        origin = self.__dict__.get("_origin")
+        why = (origin if origin is not None else self).__dict__.get("_dflash_closed")
+        return rpc.RPCError(why) if isinstance(why, str) else DFlashError(_CLOSED)
+
     # The tokenizer keeps its own reference to the model: guard it here too.
     @functools.wraps(llama_cpp.Llama.tokenize)
     def tokenize(self, *args, **kwargs):
+        self._rpc_reconnect()  # (a request's first call)
         self._model  # noqa: B018 (raises once closed)
         return super().tokenize(*args, **kwargs)
 
@@ -682,7 +775,7 @@ class Llama(llama_cpp.Llama):
     @property
     def _ctx(self):
         if self._closed():
-            raise DFlashError(_CLOSED)
+            raise self._closed_error()
         try:
             return self.__dict__["_dflash_ctx"]
         except KeyError:
