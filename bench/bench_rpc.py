@@ -1,0 +1,348 @@
+"""A target split over two llama.cpp rpc-servers, with round-trip delay added: plain decoding vs our
+adaptive speculation over the same split (issue 45; docs/architecture.md §14).
+
+Two ``rpc-server`` processes on 127.0.0.1 (one thread each) hold the target's layers (n_gpu_layers
+= all); in front of each, a small delaying TCP proxy (threads, this script's ``--proxy`` mode, its
+own process) adds half the round-trip delay to every chunk in each direction, so a request and its
+answer pay the whole delay (0, 0.5, 2 and 5 ms: a LAN's range; ``tc netem`` is not available here).
+The drafter and its cache stay local.  The proxy's added round trip is measured first (a ping-pong
+through it to an echo listener).
+
+Per target and delay: one ``SpeculativeGenerator`` over the proxies (exact="auto", the default of
+``Llama`` and the CLI: its self-check runs over the split), then prompt by prompt, interleaved:
+plain decoding (our loop with no draft: one ``llama_decode`` a token, as llama.cpp decodes) and
+adaptive speculation (the default); greedy, the same tokens each.  Recorded: tok/s of decoding,
+tau, steps kept plain, whether the outputs are identical, the cost model's predicted draft + verify
+time against the measured one (its verify costs are measured on the real context, so they include
+the round trips), its t_verify(1) and t_verify(8), and the RPC requests a plain token costs.
+
+Targets: SmolLM2-135M-Instruct Q4_0 with the shipped DFlash2 drafter; Gemma-3-270M Q4_K_M with a
+random-weight drafter (no trained drafter exists for it; the same recipe as bench/bench_exact.py):
+what the adaptive policy does when drafting cannot pay.  Upstream llama.cpp's own DFlash loop
+(llama-speculative-simple, bench/build-upstream.sh) is not run: its build has no RPC backend.
+
+Usage: python3 bench/bench_rpc.py [--targets smollm2,gemma] [--delays 0,0.5,2,5] [--prompts 3]
+                                  [--tokens 64] [--out bench/results/rpc.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome.<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "<|im_start|>user\nExplain what a hash table is in three sentences.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a Python class for a stack with push, pop and peek.<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "<|im_start|>user\nList five tips for writing clear documentation.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the delaying proxy (runs in its own process: `bench_rpc.py --proxy SPEC`)
+
+
+def _nodelay(s: socket.socket) -> None:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _pump(src: socket.socket, dst: socket.socket, one_way_s: float) -> None:
+    """src -> dst, each chunk sent one_way_s after it arrived (a writer thread keeps the order and
+    lets chunks in flight overlap, as a link's latency does)."""
+    q: queue.Queue = queue.Queue()
+
+    def writer() -> None:
+        while (item := q.get()) is not None:
+            due, data = item
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    w = threading.Thread(target=writer, daemon=True)
+    w.start()
+    try:
+        while data := src.recv(1 << 20):
+            q.put((time.perf_counter() + one_way_s, data))
+    except OSError:
+        pass
+    q.put(None)
+
+
+def _serve(listen_port: int, up_port: int, rtt_ms: float, ready: threading.Event, ports: dict, key: str) -> None:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", listen_port))
+    srv.listen(16)
+    ports[key] = srv.getsockname()[1]
+    ready.set()
+    while True:
+        c, _ = srv.accept()
+        try:
+            u = socket.create_connection(("127.0.0.1", up_port))
+        except OSError:
+            c.close()  # (the server is down: the client sees the connection end)
+            continue
+        _nodelay(c)
+        _nodelay(u)
+        for a, b in ((c, u), (u, c)):
+            threading.Thread(target=_pump, args=(a, b, rtt_ms / 2e3), daemon=True).start()
+
+
+def proxy_main(spec: str) -> None:
+    """spec: JSON {key: [upstream_port, rtt_ms]}; prints one line PORTS {key: listen_port}, then
+    serves until stdin closes."""
+    want = json.loads(spec)
+    ports: dict = {}
+    for key, (up, rtt) in want.items():
+        ev = threading.Event()
+        threading.Thread(target=_serve, args=(0, up, rtt, ev, ports, key), daemon=True).start()
+        ev.wait(10)
+    print("PORTS", json.dumps(ports), flush=True)
+    sys.stdin.read()
+
+
+def _echo_server() -> int:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve() -> None:
+        while True:
+            c, _ = srv.accept()
+            _nodelay(c)
+
+            def echo(c=c) -> None:
+                with c:
+                    while data := c.recv(65536):
+                        c.sendall(data)
+
+            threading.Thread(target=echo, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def _ping_ms(port: int, n: int = 200) -> float:
+    """Median round trip of a 64-byte ping-pong through 127.0.0.1:port."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        _nodelay(s)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.sendall(b"x" * 64)
+            got = 0
+            while got < 64:
+                got += len(s.recv(64 - got))
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def gemma_drafter(target: Path) -> Path:
+    """bench/bench_exact.py's random DFlash v1 drafter for Gemma-3-270M (written once per machine)."""
+    from llama_dflash.cache import cache_dir
+    from llama_dflash.formats.config import DrafterConfig
+    from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
+
+    p = cache_dir() / "bench-exact-gemma3-random-v1.gguf"
+    if not p.is_file():
+        cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64,
+                            target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6,
+                            block_size=16)
+        tmp = p.with_suffix(".part")
+        write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=4, std=0.05), target, outtype="f16")
+        tmp.replace(p)
+    return p
+
+
+def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, str], delays: list[float],
+               prompts: list[str], n_tok: int) -> dict:
+    from llama_dflash.core.generator import SpeculativeGenerator
+
+    out = {"target": target.name, "drafter": drafter.name, "delays": {}}
+    for d in delays:
+        t0 = time.perf_counter()
+        g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=1, n_gpu_layers=-1,
+                                 rpc_servers=endpoints[d], exact="auto")
+        t_load = time.perf_counter() - t0
+        try:
+            toks = [g.tokenize(p) for p in prompts]
+            g.generate(toks[0], 8, draft_len=0)  # warm-up (the cost model is measured at load: exact="auto")
+            g.generate(toks[0], 8)
+            acc = {k: {"tokens": 0, "seconds": 0.0} for k in ("plain", "adaptive")}
+            steps = plain_steps = accepted = same = 0
+            t_pred = t_meas = 0.0
+            req = []
+            exact = ""
+            for tk in toks:
+                before = sum(t["requests"] for t in g.cluster.traffic())
+                plain = g.generate(tk, n_tok, draft_len=0, stop_on_eos=False)
+                req.append((sum(t["requests"] for t in g.cluster.traffic()) - before) / n_tok)
+                spec = g.generate(tk, n_tok, stop_on_eos=False)
+                for k, r in (("plain", plain), ("adaptive", spec)):
+                    acc[k]["tokens"] += len(r.tokens) - 1  # (decoding: the prefill's token excluded)
+                    acc[k]["seconds"] += r.stats.t_total_s
+                s = spec.stats
+                steps += s.steps
+                plain_steps += s.plain_steps
+                accepted += s.accepted
+                t_pred += s.t_predicted_s
+                t_meas += s.t_draft_s + s.t_verify_s
+                same += plain.tokens == spec.tokens
+                exact = s.exact
+            costs = g.cost_model() or {}
+        finally:
+            g.close()
+        tps = {k: v["tokens"] / v["seconds"] for k, v in acc.items()}
+        tv = costs.get("t_verify", [])
+        row = {"plain_tok_s": round(tps["plain"], 2), "adaptive_tok_s": round(tps["adaptive"], 2),
+               "speedup": round(tps["adaptive"] / tps["plain"], 3),
+               "plain_ms_per_token": round(1e3 / tps["plain"], 2),
+               "tau": round((accepted + steps) / steps, 2) if steps else None,
+               "plain_steps": f"{plain_steps}/{steps}", "identical": f"{same}/{len(toks)}",
+               "predicted_s": round(t_pred, 4), "measured_s": round(t_meas, 4),
+               "predicted_over_measured": round(t_pred / t_meas, 3) if t_meas else None,
+               "cost_t_verify_ms": {str(k): round(tv[k - 1] * 1e3, 2) for k in (1, 2, 4, 8) if k <= len(tv)},
+               "rpc_requests_per_plain_token": round(statistics.mean(req), 1),
+               "load_s": round(t_load, 1), "exact": exact}
+        out["delays"][str(d)] = row
+        print(f"{name} +{d} ms: {row}", flush=True)
+    return out
+
+
+def plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, r in res["targets"].items():
+        xs = [float(d) for d in r["delays"]]
+        rows = list(r["delays"].values())
+        ax1.plot(xs, [x["plain_tok_s"] for x in rows], "o--", label=f"{name}: plain")
+        ax1.plot(xs, [x["adaptive_tok_s"] for x in rows], "o-", label=f"{name}: adaptive speculation")
+        ax2.plot(xs, [x["speedup"] for x in rows], "o-", label=name)
+    ax1.set_xlabel("added round trip per RPC request (ms)")
+    ax1.set_ylabel("decode tok/s")
+    ax1.set_title("Target split over two rpc-servers")
+    ax1.legend(fontsize=8)
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_xlabel("added round trip per RPC request (ms)")
+    ax2.set_ylabel("adaptive / plain")
+    ax2.set_title("Speedup of speculation over RPC")
+    ax2.legend(fontsize=8)
+    fig.text(0.01, 0.01, f"{res['date']}, {res['cpu']}, load {res['load'][0]:.1f}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--proxy":
+        proxy_main(sys.argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="smollm2,gemma")
+    ap.add_argument("--delays", default="0,0.5,2,5", help="added round trips, ms")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench/results/rpc.json")
+    a = ap.parse_args()
+    from llama_cpp import _logger
+
+    from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
+    from llama_dflash.core import rpc
+
+    _logger.set_verbose(False)
+    binary = rpc.server_binary()
+    if not rpc.available() or binary is None:
+        raise SystemExit(f"no RPC build here: {rpc.INSTALL_HINT}")
+    delays = [float(x) for x in a.delays.split(",")]
+    names = a.targets.split(",")
+    targets = {}
+    if "smollm2" in names:
+        targets["smollm2-135m-q4_0"] = (default_target(), shipped_drafter())
+    if "gemma" in names:
+        g = pypi_target("gemma-3-270m")
+        targets["gemma-3-270m-q4_k_m"] = (g, gemma_drafter(g))
+    # a fresh cache folder: every delay's cost model and exact-mode verdict measured anew (the proxies'
+    # ports are new each run), the user's cache untouched
+    os.environ["LLAMA_DFLASH_CACHE"] = tempfile.mkdtemp(prefix="bench-rpc-")
+    res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "cpu": cpu_model(), "load": os.getloadavg(), "threads": {"client": 1, "each_server": 1},
+           "servers": 2, "prompts": a.prompts, "tokens": a.tokens,
+           "upstream": "not run: bench/build-upstream.sh builds llama-speculative-simple without the RPC backend"}
+    servers = [rpc.RPCServer(n_threads=1, binary=binary) for _ in range(2)]
+    echo = _echo_server()
+    spec = {f"{i}/{d}": [s.port, d] for i, s in enumerate(servers) for d in delays}
+    spec.update({f"echo/{d}": [echo, d] for d in delays})
+    proxy = subprocess.Popen([sys.executable, __file__, "--proxy", json.dumps(spec)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = proxy.stdout.readline()
+        if not line.startswith("PORTS "):
+            raise SystemExit(f"the proxy did not start: {line!r}")
+        ports = json.loads(line[6:])
+        res["measured_rtt_ms"] = {str(d): round(_ping_ms(ports[f"echo/{d}"]) - 0.0, 3) for d in delays}
+        res["direct_rtt_ms"] = round(_ping_ms(echo), 3)
+        print("ping through the proxy (ms):", res["measured_rtt_ms"], "direct:", res["direct_rtt_ms"], flush=True)
+        endpoints = {d: ",".join(f"127.0.0.1:{ports[f'{i}/{d}']}" for i in range(2)) for d in delays}
+        res["targets"] = {}
+        for name, (target, drafter) in targets.items():
+            res["targets"][name] = run_target(name, Path(target), Path(drafter), endpoints, delays,
+                                              PROMPTS[:a.prompts], a.tokens)
+    finally:
+        proxy.stdin.close()
+        proxy.kill()
+        proxy.wait(timeout=10)
+        for s in servers:
+            s.stop()
+    res["load_after"] = os.getloadavg()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    if plot(res, out.with_suffix(".png")):
+        res["plot"] = out.with_suffix(".png").name
+        out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
