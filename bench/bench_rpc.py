@@ -8,13 +8,17 @@ answer pay the whole delay (0, 0.5, 2 and 5 ms: a LAN's range; ``tc netem`` is n
 The drafter and its cache stay local.  The proxy's added round trip is measured first (a ping-pong
 through it to an echo listener).
 
-Per target and delay: one ``SpeculativeGenerator`` over the proxies (exact="auto", the default of
-``Llama`` and the CLI: its self-check runs over the split), then prompt by prompt, interleaved:
-plain decoding (our loop with no draft: one ``llama_decode`` a token, as llama.cpp decodes) and
-adaptive speculation (the default); greedy, the same tokens each.  Recorded: tok/s of decoding,
+Per target and delay: two ``SpeculativeGenerator``s over the proxies (exact="auto", the default of
+``Llama`` and the CLI: its self-check runs over the split), one without a drafter (plain decoding:
+one ``llama_decode`` a token, as llama.cpp decodes, no capture) and one with it (adaptive
+speculation, the default; its capture reads the drafter's tapped rows from the servers), then
+prompt by prompt, interleaved; greedy, the same tokens each.  Recorded: tok/s of decoding,
 tau, steps kept plain, whether the outputs are identical, the cost model's predicted draft + verify
 time against the measured one (its verify costs are measured on the real context, so they include
-the round trips), its t_verify(1) and t_verify(8), and the RPC requests a plain token costs.
+the round trips), its t_verify(1) and t_verify(8), the RPC requests a plain token costs, and one
+``llama_decode`` of 1 and of 8 rows, each repeated and the two alternating (``decode_by_shape``: a
+batch whose size differs from the last one's makes ggml-rpc send its graph again, with requests
+that wait for an answer).
 
 Targets: SmolLM2-135M-Instruct Q4_0 with the shipped DFlash2 drafter; Gemma-3-270M Q4_K_M with a
 random-weight drafter (no trained drafter exists for it; the same recipe as bench/bench_exact.py):
@@ -188,30 +192,77 @@ def gemma_drafter(target: Path) -> Path:
     return p
 
 
+def shape_probe(g, rounds: int = 6) -> dict:
+    """``llama_decode`` over the split of 1 row and of 8 rows (all logits), each repeated, and the two
+    alternating: median ms and RPC requests a decode (a batch of another size than the last one makes
+    ggml-rpc send its graph again, with more requests that wait for an answer)."""
+    import llama_cpp
+
+    from llama_dflash.core import exact
+
+    ctx = g._ctx
+    mem = llama_cpp.llama_get_memory(ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    g._core.forget()
+    pos = 0
+
+    def decode(k: int) -> tuple[float, int]:
+        nonlocal pos
+        before = sum(t["requests"] for t in g.cluster.traffic())
+        t0 = time.perf_counter()
+        exact._decode(ctx, [100 + (pos + i) % 1000 for i in range(k)], pos, g.n_vocab, False)
+        dt = time.perf_counter() - t0
+        pos += k
+        return dt * 1e3, sum(t["requests"] for t in g.cluster.traffic()) - before
+
+    decode(16)  # a prefix
+    out = {}
+    for label, ks in (("1_repeated", [1] * rounds), ("8_repeated", [8] * rounds), ("1_8_alternating", [1, 8] * rounds)):
+        decode(ks[0])
+        got = [decode(k) for k in ks]
+        for k in sorted(set(ks)):
+            sel = [x for x, kk in zip(got, ks, strict=True) if kk == k]
+            out[f"{label}/{k}"] = {"ms": round(statistics.median(x[0] for x in sel), 2),
+                                   "requests": round(statistics.mean(x[1] for x in sel), 1)}
+    llama_cpp.llama_memory_clear(mem, True)
+    g._core.forget()
+    return out
+
+
 def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, str], delays: list[float],
                prompts: list[str], n_tok: int) -> dict:
+    """Per delay: the target loaded twice over the same servers (one connection each, shared): plain
+    (no drafter, so no capture: llama.cpp's own decoding) and with the drafter (adaptive)."""
     from llama_dflash.core.generator import SpeculativeGenerator
 
     out = {"target": target.name, "drafter": drafter.name, "delays": {}}
+
+    def requests(g) -> int:
+        return sum(t["requests"] for t in g.cluster.traffic())
+
     for d in delays:
+        kw = dict(n_ctx=1024, n_threads=1, n_gpu_layers=-1, rpc_servers=endpoints[d], exact="auto")
         t0 = time.perf_counter()
-        g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=1, n_gpu_layers=-1,
-                                 rpc_servers=endpoints[d], exact="auto")
-        t_load = time.perf_counter() - t0
+        gp = SpeculativeGenerator(target, None, **kw)
+        gs = None
         try:
-            toks = [g.tokenize(p) for p in prompts]
-            g.generate(toks[0], 8, draft_len=0)  # warm-up (the cost model is measured at load: exact="auto")
-            g.generate(toks[0], 8)
+            gs = SpeculativeGenerator(target, drafter, **kw)
+            t_load = time.perf_counter() - t0
+            toks = [gs.tokenize(p) for p in prompts]
+            gp.generate(toks[0], 8)  # warm-up
+            gs.generate(toks[0], 8)  # (the cost model is measured then, over the split)
             acc = {k: {"tokens": 0, "seconds": 0.0} for k in ("plain", "adaptive")}
             steps = plain_steps = accepted = same = 0
             t_pred = t_meas = 0.0
-            req = []
+            req_plain, req_step = [], []
             exact = ""
             for tk in toks:
-                before = sum(t["requests"] for t in g.cluster.traffic())
-                plain = g.generate(tk, n_tok, draft_len=0, stop_on_eos=False)
-                req.append((sum(t["requests"] for t in g.cluster.traffic()) - before) / n_tok)
-                spec = g.generate(tk, n_tok, stop_on_eos=False)
+                before = requests(gp)
+                plain = gp.generate(tk, n_tok, stop_on_eos=False)
+                req_plain.append((requests(gp) - before) / n_tok)
+                before = requests(gs)
+                spec = gs.generate(tk, n_tok, stop_on_eos=False)
+                req_step.append((requests(gs) - before) / max(spec.stats.steps, 1))
                 for k, r in (("plain", plain), ("adaptive", spec)):
                     acc[k]["tokens"] += len(r.tokens) - 1  # (decoding: the prefill's token excluded)
                     acc[k]["seconds"] += r.stats.t_total_s
@@ -223,9 +274,12 @@ def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, st
                 t_meas += s.t_draft_s + s.t_verify_s
                 same += plain.tokens == spec.tokens
                 exact = s.exact
-            costs = g.cost_model() or {}
+            costs = gs.cost_model() or {}
+            shapes = shape_probe(gp)
         finally:
-            g.close()
+            gp.close()
+            if gs is not None:
+                gs.close()
         tps = {k: v["tokens"] / v["seconds"] for k, v in acc.items()}
         tv = costs.get("t_verify", [])
         row = {"plain_tok_s": round(tps["plain"], 2), "adaptive_tok_s": round(tps["adaptive"], 2),
@@ -236,8 +290,9 @@ def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, st
                "predicted_s": round(t_pred, 4), "measured_s": round(t_meas, 4),
                "predicted_over_measured": round(t_pred / t_meas, 3) if t_meas else None,
                "cost_t_verify_ms": {str(k): round(tv[k - 1] * 1e3, 2) for k in (1, 2, 4, 8) if k <= len(tv)},
-               "rpc_requests_per_plain_token": round(statistics.mean(req), 1),
-               "load_s": round(t_load, 1), "exact": exact}
+               "rpc_requests_per_plain_token": round(statistics.mean(req_plain), 1),
+               "rpc_requests_per_adaptive_step": round(statistics.mean(req_step), 1),
+               "load_s": round(t_load, 1), "exact": exact, "decode_by_shape": shapes}
         out["delays"][str(d)] = row
         print(f"{name} +{d} ms: {row}", flush=True)
     return out

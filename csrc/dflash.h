@@ -539,6 +539,8 @@ int32_t dflash_rpc_guard_port(const dflash_rpc_guard * g);
 int64_t dflash_rpc_guard_failures(dflash_rpc_guard * g, char * err, size_t err_len);
 /* allocations the server itself refused (out of memory) */
 int64_t dflash_rpc_guard_alloc_failures(const dflash_rpc_guard * g);
+/* connections the guard is forwarding now (a model loaded over it; its server serves one client at a time) */
+int32_t dflash_rpc_guard_connections(const dflash_rpc_guard * g);
 /* requests forwarded, bytes to the server, bytes from it (3 values) */
 void    dflash_rpc_guard_traffic(const dflash_rpc_guard * g, int64_t * out);
 /* Connect + handshake only: 0 and the server's protocol version (3 ints), or -1 with a message. */

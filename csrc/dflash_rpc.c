@@ -476,6 +476,8 @@ int64_t dflash_rpc_guard_failures(dflash_rpc_guard * g, char * err, size_t err_l
 
 int64_t dflash_rpc_guard_alloc_failures(const dflash_rpc_guard * g) { return atomic_load(&g->alloc_failures); }
 
+int32_t dflash_rpc_guard_connections(const dflash_rpc_guard * g) { return atomic_load(&g->n_conns); }
+
 void dflash_rpc_guard_traffic(const dflash_rpc_guard * g, int64_t * out) {
     out[0] = atomic_load(&g->requests);
     out[1] = atomic_load(&g->bytes_up);

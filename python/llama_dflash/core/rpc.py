@@ -124,8 +124,11 @@ class Cluster:
                 g = _guards.get((host, port))
                 if g is None:
                     g = _guards[(host, port)] = _Guard(host, port, timeout_s)
-                else:
-                    probe(host, port, min(timeout_s, 10.0))  # the same one-line errors as a first use
+                elif not lib.dflash_rpc_guard_connections(g.handle):
+                    # the same one-line errors as a first use (not while a model's connection goes through
+                    # the guard: the server serves one client at a time, a probe would wait behind it;
+                    # models of one process share that connection)
+                    probe(host, port, min(timeout_s, 10.0))
                 self.guards.append(g)
         self.devices = [d for g in self.guards for d in g.devices]
         self._devs = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
