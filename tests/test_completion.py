@@ -45,8 +45,10 @@ class Script:
 def models(artifacts):
     a = artifacts["llama"]
     base = llama_cpp.Llama(a["target"], n_ctx=256, verbose=False, logits_all=True)
+    # the default mode's loop, chunk for chunk against llama_cpp.Llama at its defaults (exact mode would
+    # load with flash attention: tests/test_exact.py compares it under the same settings)
     spec = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, draft_model_path=a["drafter"], draft_n_max=7,
-                              speculation="on")
+                              speculation="on", exact=False)
     script = base.tokenize(TEXT.encode(), add_bos=False, special=False)
     assert base.detokenize(script).decode() == TEXT
     n_prompt = len(base.tokenize(PROMPT.encode(), add_bos=False, special=True))

@@ -198,9 +198,11 @@ class Llama(llama_cpp.Llama):
             self.__dict__["_init_args"] = init_args
         self.__dict__["_cluster"] = cluster  # read by the model_params setter, during the base's init
         _logger.set_verbose(kwargs.get("verbose", True))  # (as the base class does first: exact mode's probes load)
-        # (without a drafter or concurrent requests every decode is llama-cpp-python's own: nothing to make exact)
+        # (without a drafter or concurrent requests every decode is llama-cpp-python's own: "auto" leaves it
+        # untouched; exact=True still loads exact mode's settings, as a reference of the same configuration)
         engine = opts.draft_model_path is not None or opts.parallel > 1
-        load = exact_mode.load_settings(opts.exact if engine else False, model_path, kwargs.get("flash_attn"),
+        load = exact_mode.load_settings(opts.exact if engine or opts.exact is True else False, model_path,
+                                        kwargs.get("flash_attn"),
                                         kwargs.get("n_threads"), kwargs.get("n_gpu_layers", 0))
         if load.exact:
             kwargs["flash_attn"] = load.flash_attn

@@ -343,6 +343,7 @@ class LoadSettings:
     repacked: bool | None
     exact: bool | str = False
     off: str = ""
+    asked_flash_attn: bool | None = None  # the caller's (the context's when "auto" falls back)
 
     def apply(self, mparams) -> None:
         """Set the layout on a ``llama_model_params`` before the model loads."""
@@ -353,12 +354,14 @@ class LoadSettings:
 def load_settings(exact: bool | str, model_path: str | os.PathLike, flash_attn: bool | None = None,
                   n_threads: int | None = None, n_gpu_layers: int = 0) -> LoadSettings:
     """The one place exact mode's load settings are decided (every loader asks here)."""
+    asked = flash_attn
     flash_attn = flash_attn_for(exact, flash_attn)
     if exact == "auto" and flash_attn is False:
-        return LoadSettings(False, None, False, "flash_attn=False was asked for (exact mode needs flash attention)")
+        return LoadSettings(False, None, False, "flash_attn=False was asked for (exact mode needs flash attention)",
+                            asked)
     if not exact:
-        return LoadSettings(flash_attn, None)
-    return LoadSettings(flash_attn, weight_layout(model_path, n_threads, n_gpu_layers), exact)
+        return LoadSettings(flash_attn, None, asked_flash_attn=asked)
+    return LoadSettings(flash_attn, weight_layout(model_path, n_threads, n_gpu_layers), exact, asked_flash_attn=asked)
 
 
 def require(v: Verdict) -> None:

@@ -143,7 +143,8 @@ class SpeculativeGenerator(_native.Resource):
         # Same default as llama_cpp.Llama, so plain outputs are comparable.
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if load.flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self._core.prepare_context(cparams)
+        self._core.prepare_context(cparams)  # (exact="auto" falling back puts the caller's flash attention back)
+        self.flash_attn = cparams.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             self.close()

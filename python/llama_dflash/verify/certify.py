@@ -106,12 +106,14 @@ def divergence_report(g, plain, spec, eps: float, sampled: bool = False, replay=
 
 
 def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list[dict], n_ctx: int,
-                      n_threads: int | None = None) -> dict | None:
+                      n_threads: int | None = None, flash_attn: bool = False) -> dict | None:
     """certify for two greedy runs of a SpeculativeGenerator (steps: the speculative
-    run's on_step records), with a fresh plain llama_cpp.Llama that keeps every row's logits."""
+    run's on_step records), with a fresh plain llama_cpp.Llama that keeps every row's logits
+    (flash attention as the generator ran)."""
     if _first_divergence(plain.tokens, spec.tokens) is None:
         return None
-    checker = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False)
+    checker = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False,
+                              flash_attn=flash_attn)
     try:
         return certify(checker, toks + plain.tokens, toks + spec.tokens, len(toks), steps)
     finally:
