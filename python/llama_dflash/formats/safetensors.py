@@ -87,9 +87,11 @@ def read_header(path: str | os.PathLike) -> dict[str, LazyTensor]:
             continue
         try:
             dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            if not all(type(x) is int for x in (b, e)):  # (JSON numbers only: no floats, strings, bools)
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{p}: corrupt safetensors header (entry '{printable(name)}')") from None
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:  # (a list or object: unhashable)
             raise SafetensorsError(f"{p}: tensor '{printable(name)}' has unsupported dtype "
                                    f"{printable(str(dtype))} (f32, f16, bf16, f64, ids)")
         want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype][1]
