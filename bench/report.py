@@ -559,6 +559,141 @@ verbatim so that nothing measured is lost. They are not reproduced by this scrip
   is still in git history: `git show ffad0ee:bench/results/humaneval.json`.
 - Machine noise on this 2-core machine is ±10–15 % from run to run (observed across the runs
   above; the ratios inside one run are side by side and more reliable than absolute tok/s).
+
+### Runs the README quoted (moved here on 2026-12-05)
+
+The README quoted these runs until 2026-12-05. Their json files were overwritten by later runs of the
+same benches (some are in git history at the commits named). This 2-core machine's speed varies
+with the hour ("quiet", "medium", "middling", "slow"); in a slow hour a verify batch costs less
+relative to one token, and drafting pays more.
+
+**`llama-dflash demo`** (128 tokens, exact mode, adaptive; before the small-batch kernels of
+2026-12-05). Its last lines on 2026-12-04 11:40 (a medium hour, with the shipped drafter, the
+eighth run's, on a freshly set-up machine):
+
+```
+plain       (greedy): 128 tokens, 139.9 tok/s, tau 1.00, accepted 0/0, draft 0 ms, verify 903 ms, other 5 ms
+speculative (greedy): 128 tokens, 161.0 tok/s, tau 1.81, accepted 57/77, draft 91 ms, verify 698 ms, other 1 ms
+  adaptive: 29 of 70 steps plain, verified draft lengths {0: 43, 1: 3, 2: 10, 3: 11, 4: 0, 5: 0, 6: 0, 7: 3}, ...
+speedup 1.15x (auto); ceiling 1.56x (the best draft lengths with this drafter at the measured costs), ...
+greedy outputs bit-identical: yes (exact mode, self-check passed: verify batches of up to 8 rows are ...
+```
+
+(Three lines cut at "...": they ended "predicted 749 ms of draft + verify", "reached 27 % of its
+gain" and "bit-identical)".) On 2026-12-04 14:02 (a fast hour, the same code) it printed plain
+165.7 tok/s, speculative 181.7 (1.10×, τ 1.72), ceiling 1.51×, bit-identical. On 2026-12-03 22:28
+(a middling hour) plain 140.6 tok/s, adaptive 1.18×, ceiling 1.66×. Earlier on 2026-12-03: 12:07
+(a medium hour, the sixth run's drafter) 1.10× twice; 15:02 (a slow hour, the same drafter, two
+runs) plain 100.5 / 104.7 tok/s, adaptive 1.25× / 1.24× (τ 2.05 / 1.95), ceiling 1.75× / 1.74×;
+17:38 (a middling hour, the seventh run's drafter, two runs) plain 132.9 / 131.6 tok/s, adaptive
+1.17× / 1.22×, ceiling 1.62×; bit-identical every time. One 128-token answer is short for the
+adaptive default to learn where drafting pays (it starts from the cost model and calibration cached
+by earlier runs, then probes).
+
+**Cost-aware drafting, earlier runs** (`python3 bench/bench_adaptive.py --parts sets --problems 20
+--prose 20 --tokens 128 --fixed 3,7 [--upstream]`; the results files as of the commits of those
+days; tok/s relative to our plain loop, HumanEval greedy / prose greedy / HumanEval T 0.7 / prose
+T 0.7; the runs before 2026-12-03 22:46 applied their ceilings to the fixed n = 7 run's token count,
+which differs from the plain run's where an output ends elsewhere — the random drafter's and the
+prose sets most, HumanEval greedy hardly):
+
+| when (our plain loop, tok/s) | drafter run | adaptive (default) | fixed n = 3 | upstream n = 3, greedy | ceiling |
+|---|---|---|---|---|---|
+| 12-04 04:42, middling (120–124) | 8th | 1.29/1.05/1.13/1.00 | 1.34/0.87/1.12/0.74 | 1.09/0.83 | 1.74/1.29/1.51/1.18 |
+| 12-03 14:25, slow (86–91) | 6th | 1.28/1.06/1.12/0.98 | 1.41/0.92/1.20/0.78 | 1.15/0.90 | 1.73/1.19/1.50/1.15 |
+| 12-03 11:34, medium (132–151) | 6th | 1.15/1.01/1.02/1.01 | 1.15/0.70/0.97/0.64 | 1.05/0.71 | 1.39/1.13/1.22/1.06 |
+| 12-03 08:30, slow (104–113) | 6th | 1.25/0.99/1.11/1.00 | 1.29/0.84/1.10/0.75 | 1.21/0.88 | 1.62/1.28/1.37/1.16 |
+| 12-03 04:58, quiet (187–189) | 5th | 1.05/1.01/1.06/1.00 | 1.02/0.67/1.05/0.67 | 1.00/0.71 | 1.33/1.11/1.33/1.08 |
+| 12-03 00:20, quiet (187–209) | 4th | 1.08/1.00/0.98/0.98 | 1.06/0.64/0.82/0.56 | 0.98/0.71 | 1.37/1.09/1.10/1.03 |
+| 12-02 18:08, slow (99–103) | 3rd | 1.18/1.03/1.12/0.99 | 1.33/0.85/1.11/0.75 |  | 1.62/1.27/1.43/1.15 |
+| 12-02 15:14, slow (107–112) | 2nd | 1.14/1.04/1.05/0.99 | 1.19/0.83/1.03/0.72 |  | 1.53/1.25/1.34/1.13 |
+| 12-02 12:38, quiet (155–187) | 1st | 0.99/1.02/1.03/0.99 | 0.88/0.64/0.79/0.57 | 0.84/0.66 | 1.26/1.09/1.17/1.03 |
+
+In a quiet hour a verify batch is compute-bound (2 rows cost 1.7 one-row steps, 4 rows 2.1, 8 rows
+3.5 at 04:58) and fixed-length drafting loses; in a slow one a verify row costs less relative to a
+one-row step (a verify of 2 / 4 / 8 rows 1.49 / 1.71 / 2.69 one-row steps at 08:30). The runs differ
+in the hour as well as the drafter, so they are not an A/B of the drafters (`bench/bench_drafters.py`
+is). Smaller runs (12 + 12 prompts, 96 tokens) spread by about ±10 % prompt to prompt. The README
+also said: in a quiet hour the shipped drafter ran 1.01–1.05× plain speed on the four sets
+(2026-12-04 10:50); a useless drafter cost 0–3 % (5 % in the quiet run before probes stopped being
+drafts made whole).
+
+**Against upstream llama.cpp's own DFlash loop** (`llama-speculative-simple`, the same two files,
+built from the same llama.cpp with the same CPU flags), at the same draft length our loop ran
+1.23× / 1.30× upstream's on HumanEval (n = 3 / 7) and 1.05× / 1.08× on prose on 2026-12-04 04:42;
+1.13× / 1.34× and 1.05× / 1.08× on 2026-12-03 22:47; 1.02× / 1.10× and 0.95× / 0.98× in the quiet
+hour of 2026-12-03 04:58.
+
+**In exact mode, earlier runs** (the same bench with `--exact`, the sixth run's drafter; tok/s
+relative to our exact plain loop): 2026-12-03 14:01 (a slow hour, plain 106–121 tok/s;
+`bench/results/adaptive_exact.json` at commit 65c37f4) adaptive 1.17 / 1.06 / 1.07 / 1.02, fixed
+n = 3 1.20 / 0.84 / 1.02 / 0.77, ceiling 1.58 / 1.25 / 1.38 / 1.16, a random drafter 0.997; 11:51
+(a medium hour, plain 147–179 tok/s) adaptive 0.96 / 0.97 / 0.98 / 0.99, fixed n = 3 0.95 / 0.65 /
+0.88 / 0.61.
+
+**A drafter step in the loop's shape** before DFlash2's convolution was fused (2026-12-04 03:29,
+`bench_core --only inloop`): the shipped drafter's step took 0.51–0.58 (n = 3) and 0.46–0.53 (n = 7)
+of upstream's time.
+
+**Bigger targets, replayed drafts** (`bench_adaptive.py --parts replay`): in the 2026-12-04 13:40
+run above a second verify row cost 1.15 / 1.06 one-row steps on Qwen / Gemma; on Qwen at p = 0.9 the
+policy's steps committed 3.6 tokens each, fixed n = 6's 6.1: by the cost model at the end of the
+run 4-row steps commit more per second than 7-row ones, and the two fixed runs measured the other
+way. In a slow hour (2026-12-02 18:32, exact mode's settings of then, Qwen plain 12.0 tok/s, a
+second row costing 0.52 one-row steps) the same bench gave adaptive 0.97 / 1.03 / 1.23 / 1.92× on
+Qwen2.5-Coder-1.5B and 1.05 / 1.27 / 1.69 / 2.25× on Gemma-3-270M at p = 0.3 / 0.5 / 0.7 / 0.9.
+
+**What a length policy can reach, earlier runs** (`python3 bench/bench_policy.py`; HumanEval greedy
+/ prose greedy / HumanEval T 0.7 / prose T 0.7):
+
+- 2026-12-04 03:11–03:17 (the shipped drafter; a slow hour, plain 92–109 tok/s): the oracle 1.68 /
+  1.25 / 1.55 / 1.17× (from 2026-12-04 the ceiling may verify more rows than it commits where a
+  larger batch costs less: the CPU's 4-row tiles make 4 rows cheaper than 3); the best simple causal
+  rule per set 1.29 / 1.04 / 1.17 / 1.00×; the best gate on what the last step showed, its table
+  fitted on the same traces, 1.30 / 1.00 / 1.19 / 1.00×; the engine's policy replayed 1.30 / 1.05 /
+  1.18 / 0.99× and measured 1.32 / 1.07 / 1.14 / 1.01×: 47 % of the oracle's gain on HumanEval
+  greedy, short of the 60 % the cost-aware-drafting issue sets. With free drafts the best causal
+  rule would give 1.55 / 1.17 / 1.43 / 1.07×. The engine's policy replayed within about 1 % of
+  every causal policy fitted on its own traces (0.5 % on HumanEval greedy). A draft (~50 M
+  multiply-adds at n = 3) took 2.2–2.5 ms after a target decode, against ~11 ms for a target token
+  that hour.
+- The sixth run's drafter (2026-12-03 09:04, `bench/results/policy.json` of commit 1d7b6e4, the old
+  ceiling): oracle 1.63 / 1.24 / 1.52 / 1.15×, replayed 1.24 / 1.03 / 1.14 / 0.99×, measured 1.10 /
+  1.03 / 1.01 / 0.99×.
+- The fifth run's, in a quiet hour (2026-12-03 05:11, as of commit ef1e49b): oracle 1.45 / 1.16 /
+  1.35 / 1.09×, replayed 1.08 / 1.03 / 1.00 / 0.99×, measured 1.02 / 1.01 / 0.98 / 1.01×.
+- The previous shipped drafter (q4_0, replaced later that day), 2026-12-02 13:55 (20 HumanEval + 20
+  prose prompts, greedy and T = 0.7, 128 tokens; a slow hour, plain 111–116 tok/s against 185–204
+  in a quiet one; a second verify row 1.48 one-row steps, 4 rows 1.73, 8 rows 2.75; a draft
+  0.15–0.3): an oracle that knows each draft's acceptance before drafting 1.49× / 1.24×
+  (HumanEval / prose, greedy) and 1.43× / 1.14× (T = 0.7); the best policy of a family that learns
+  acceptance only from its own drafts, its parameters picked per set on the same traces, 1.15× /
+  1.04× and 1.10× / 0.99× (1.29× / 1.14× and 1.25× / 1.05× with drafts that cost nothing); the
+  engine's policy replayed 1.08× / 1.04× and 1.06× / 0.99×, measured against our plain loop 1.09× /
+  1.05× and 1.02× / 0.99× — 18 % / 20 % of the oracle's gain at T = 0. On traces of 13:43 (12 + 12
+  prompts, greedy) under the 12:26 run's costs the same policy replays 1.01× / 1.06× (HumanEval /
+  prose) where the replay before that day's 13:50 fix said 0.99× / 1.04× (docs/architecture.md
+  §5.9, "Replay").
+- The q8_0 original, 2026-12-02 08:04 (`bench/results/policy.json` of commit b306122): oracle
+  1.32× / 1.16× and 1.25× / 1.07×, best causal 1.02× / 1.03× and 1.02× / 0.98×. Cheaper drafts
+  moved the causal policies only a little: the confidence signal, not the draft's cost, keeps them
+  far from the oracle.
+
+**Small-batch kernels, an earlier run** of `python3 bench/bench_kernels.py` (2026-12-05
+02:08–02:17): exact mode with the kernels (adaptive) 1.68× / 1.52× llama-cpp-python on HumanEval /
+prose, llama.cpp's kernels in the same loop 1.43× / 1.18×.
+
+**Small-batch kernels after that day's changes** (per-superblock unpacking, the stream prefetch,
+the AVX2 repacked kernels taking 8 rows at once, Q5_0 taken: docs/architecture.md §13). One-row
+decode on 1 thread (2026-12-05 03:50, others' test suite running: load 3–4; min of 20, two
+interleaved rounds, processes alternating; no json), ours now / ours before / llama.cpp:
+Qwen2.5-Coder-1.5B Q4_K_M 104.5–112.1 / 170.3–173.6 / 134.0–135.4 ms; Gemma-3-270M Q4_K_M
+29.1–29.3 / 34.9–35.4 / 36.2–37.2 ms; SmolLM2-135M Q4_0 10.7–11.4 / 11.6–12.3 / 14.8–14.9 ms.
+Forcing the AVX2 kernels: 116–117 / 270–274 ms on Qwen2.5 (llama.cpp's AVX512 build 133–166), and
+k-row batches got faster too (1 thread, Qwen2.5 k = 4 / 8 / 16 on AVX2: 154 / 288 / 558 ms, before
+999 / 1708 / 2450). Gemma-3 now gives the kernels all 127 products of a one-row decode (before: 46,
+its 81 Q5_0 ones stayed with ggml). The "Small-batch kernels" section above (2026-12-05 02:17)
+predates these changes and awaits a re-run of `bench/bench_kernels.py` on a quiet machine.
 """
 
 
