@@ -1069,9 +1069,10 @@ def rpc() -> list[str]:
            "", "Every layer of the target on two loopback `rpc-server`s behind a delaying TCP proxy each "
            "(the added round trip below, measured by a ping-pong through it: "
            + ", ".join(f"{k} → {v:.2f} ms" for k, v in r["measured_rtt_ms"].items())
-           + f"; direct {r['direct_rtt_ms']:.3f} ms); the drafter local. Plain decoding (our loop, no draft) and "
-           f"adaptive speculation (the default), greedy, {r['prompts']} prompts × {r['tokens']} tokens, interleaved "
-           "prompt by prompt on one model per delay; tok/s of decoding. The cost model's verify costs are measured "
+           + f"; direct {r['direct_rtt_ms']:.3f} ms); the drafter local. Plain decoding (the target alone: no "
+           f"drafter, no capture) and adaptive speculation (the default), greedy, {r['prompts']} prompts × "
+           f"{r['tokens']} tokens, interleaved prompt by prompt on two models per delay; tok/s of decoding. "
+           "The cost model's verify costs are measured "
            "over the split at load, so they include the round trips: predicted / measured is its draft + verify "
            f"time against the steps' measured one. Upstream's loop: {r['upstream']}.", ""]
     for name, t in r["targets"].items():
@@ -1079,14 +1080,33 @@ def rpc() -> list[str]:
         first = next(iter(rows.values()))
         out += [f"**{name}** (drafter `{t['drafter']}`; exact mode over the split: {first['exact'] or 'off'})", "",
                 "| added round trip ms | plain tok/s | adaptive tok/s | speedup | tau | plain steps | identical | "
-                "predicted / measured | cost model t(1) / t(8) ms | RPC requests a plain token |",
+                "predicted / measured | cost model t(1) / t(8) ms | RPC requests: plain token / adaptive step |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for d, x in rows.items():
             tv = x["cost_t_verify_ms"]
             out.append(f"| {d} | {x['plain_tok_s']:.1f} | {x['adaptive_tok_s']:.1f} | {x['speedup']:.2f} | "
                        f"{x['tau'] if x['tau'] is not None else '–'} | {x['plain_steps']} | {x['identical']} | "
                        f"{x['predicted_over_measured']} | {tv.get('1', '–')} / {tv.get('8', '–')} | "
-                       f"{x['rpc_requests_per_plain_token']} |")
+                       f"{x['rpc_requests_per_plain_token']} / {x.get('rpc_requests_per_adaptive_step', '–')} |")
+        ds = sorted(rows, key=float)
+        if len(ds) > 1 and float(ds[-1]) > float(ds[0]):
+            lo, hi, span = rows[ds[0]], rows[ds[-1]], float(ds[-1]) - float(ds[0])
+            t1 = [x["cost_t_verify_ms"].get("1") for x in (lo, hi)]
+            plain_slope = (hi["plain_ms_per_token"] - lo["plain_ms_per_token"]) / span
+            out += ["", f"Round trips waited for (ms added per ms of round trip, {ds[0]} → {ds[-1]}): a plain token "
+                    f"{plain_slope:.1f}"
+                    + (", a one-row step of the speculative model (the cost model's t(1); its capture reads the "
+                       "tapped layers' rows from the servers, requests that wait for their answer) "
+                       f"{(t1[1] - t1[0]) / span:.1f}" if None not in t1 else "") + "."]
+        shapes = [(d, x["decode_by_shape"]) for d, x in rows.items() if x.get("decode_by_shape")]
+        if shapes:
+            out += ["", "`llama_decode` of the target alone over the split, median ms (1 and 8 rows, each repeated, "
+                    "and the two alternating, as adaptive steps vary):", "",
+                    "| added round trip ms | 1 row | 8 rows | alternating: 1 row | alternating: 8 rows |",
+                    "|---|---|---|---|---|"]
+            for d, sh in shapes:
+                out.append(f"| {d} | {sh['1_repeated/1']['ms']} | {sh['8_repeated/8']['ms']} | "
+                           f"{sh['1_8_alternating/1']['ms']} | {sh['1_8_alternating/8']['ms']} |")
         out.append("")
     if r.get("plot"):
         out += [f"![tok/s and speedup against the added round trip](results/{r['plot']})", ""]
