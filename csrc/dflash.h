@@ -265,6 +265,9 @@ int32_t dflash_kernels_register(char * err, size_t err_len);
 #define DFLASH_KERNELS_REPACKED 256
 /* Off: the scheduler gives ggml-cpu every product from the next graph it splits on (process-wide). */
 void    dflash_kernels_set_enabled(bool on);
+/* Whether the kernels, as registered and switched now, take products of weights of this ggml type
+ * (in either layout: the repacked one where ggml-cpu repacks it). */
+bool    dflash_kernels_take_type(int32_t type);
 
 struct dflash_kernel_stats {
     bool    registered;

@@ -211,6 +211,15 @@ def test_weight_layout_keeps_the_layout_that_stays_invariant_longer(tmp_path, mo
     monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
     monkeypatch.setattr(exact, "_layouts", {})
     path = str(default_target())
+    # the small-batch kernels take every product of this Q4_0 file (Q4_0 and Q8_0 weights): repacked,
+    # nothing probed; with them off, both layouts are probed as below
+    assert exact._kernels_take_every_product(path)
+    monkeypatch.setattr(exact, "_probe_layout", lambda *a: pytest.fail("probed although the kernels take all"))
+    assert exact.weight_layout(path, 2) is True and not (tmp_path / "exact-verdicts.json").exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(exact, "_layouts", {})
+    monkeypatch.setattr(exact, "_kernels_take_every_product", lambda p: False)
     # the real probe: each layout's verdict on a throw-away load, the pick cached on disk
     rows = {r: exact._probe_layout(path, 2, r) for r in (True, False)}
     assert all(2 <= n <= exact.PROBE_ROWS for n in rows.values())

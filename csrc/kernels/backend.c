@@ -424,6 +424,12 @@ int32_t dflash_kernels_register(char * err, size_t err_len) {
 
 void dflash_kernels_set_enabled(bool on) { atomic_store(&g_enabled, on); }
 
+bool dflash_kernels_take_type(int32_t type) {
+    bool ok;
+    wtype_of((enum ggml_type) type, &ok);
+    return ok && g_isa != NULL && atomic_load(&g_enabled);
+}
+
 ggml_backend_t dflash_kernels_backend(int n_threads) {
     if (!g_isa || !atomic_load(&g_enabled)) return NULL;
     ggml_backend_t b = dev_init(&g_dev, NULL);

@@ -257,11 +257,17 @@ def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n
     bench/bench_exact.py, "cost"), and Q4_0, Q8_0 and the other legacy types stay invariant up to
     16 rows either way.  Q3_K_M / Q4_K_M stay invariant longer in the plain layout (16 rows against
     3: longer drafts, and room for concurrent requests in a joint batch), IQ4_NL only repacked.
-    Offloaded layers never repack: False.  Cached per (model file, llama.cpp build, threads); the
-    engine's own self-check still decides what the loaded target may verify."""
+    Offloaded layers never repack: False.  Where the small-batch kernels take every weight's
+    products (csrc/kernels: the quantized types of Q4_0, Q8_0, Q4_K_M and Q5_K_M files), both
+    layouts run the same batch-invariant kernels in exact mode and the repacked one is kept
+    without probing (the probes were most of a first load's cost).  Cached per (model file,
+    llama.cpp build, threads); the engine's own self-check still decides what the loaded target
+    may verify."""
     path = os.fspath(model_path)
     if n_gpu_layers or not os.path.isfile(path):  # (a missing file: the caller's own load reports it)
         return False
+    if _kernels_take_every_product(path):
+        return True  # (both layouts read by the same batch-invariant kernels: no probe to tell them apart)
     n_threads = n_threads or _native.default_threads()
     key = key_of("layout", *file_id(path), *build_id(), n_threads, json.dumps(EXACT_SETTINGS), PROBE_VERSION)
     if key in _layouts:
@@ -276,6 +282,19 @@ def weight_layout(model_path: str | os.PathLike, n_threads: int | None = None, n
         store.put(key, hit)
     _layouts[key] = hit
     return hit
+
+
+def _kernels_take_every_product(path: str) -> bool:
+    """Whether the small-batch kernels take the products of every weight of this GGUF (each matrix's
+    type one they read, in either layout); they then run every row count in exact mode, so both
+    layouts round alike and the faster repacked one is kept without probing."""
+    from gguf import GGUFReader
+
+    try:
+        types = {int(t.tensor_type) for t in GGUFReader(path, "r").tensors if len(t.shape) >= 2}
+    except Exception:  # noqa: BLE001 - unreadable here: probe as before (the load reports a bad file)
+        return False
+    return bool(types) and all(_native.lib.dflash_kernels_take_type(t) for t in types)
 
 
 def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
