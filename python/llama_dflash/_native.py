@@ -11,15 +11,13 @@ import contextlib
 import ctypes
 import os
 import re
-from pathlib import Path
 
 import cffi
 import llama_cpp  # (imported first: it loads the libllama the core binds to)
 from llama_cpp import _logger
 
+from ._files import find
 from .errors import printable
-
-_HERE = Path(__file__).resolve().parent
 
 
 def _cdef_from_header(text: str) -> str:
@@ -45,16 +43,9 @@ def _cdef_from_header(text: str) -> str:
     return "\n".join(out)
 
 
-def _find(name: str) -> Path:
-    for cand in (_HERE / name, _HERE.parent.parent / "csrc" / name):
-        if cand.exists():
-            return cand
-    raise ImportError(f"llama_dflash: {name} not found next to the package; reinstall llama-dflash")
-
-
 ffi = cffi.FFI()
-ffi.cdef(_cdef_from_header(_find("dflash.h").read_text()))
-lib_path = str(_find("libdflash.so"))
+ffi.cdef(_cdef_from_header(find("dflash.h").read_text()))
+lib_path = str(find("libdflash.so"))
 lib = ffi.dlopen(lib_path)
 
 ERR_LEN = 512

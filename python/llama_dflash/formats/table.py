@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .._native import _find
+from .._files import find
 
 HEADER = "dflash_format.h"
 
@@ -168,7 +168,7 @@ def parse(src: str) -> Table:
 
 def header_path() -> Path:
     """The installed header (the source tree's csrc/ when run from a checkout)."""
-    return _find(HEADER)
+    return find(HEADER)
 
 
 @cache
