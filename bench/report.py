@@ -1016,20 +1016,8 @@ def concurrent() -> list[str]:
     return [*out, ""]
 
 
-def kernels() -> list[str]:
-    if not (HERE / "kernels.json").is_file():
-        return []
-    r = _load("kernels.json")
-    out = ["## Small-batch kernels", "", _source(r["command"], r["date"], "kernels.json",
-                                                 f"; {r['cpu']}, {r['threads']} threads, {r['kernels']}, "
-                                                 f"load {r['load'][0]:.2f} before / {r['load_after'][0]:.2f} after"),
-           "", "Roofline (`dflash_kernels_roofline`): " + "; ".join(
-               f"{k.replace('/', ', ')} thread(s) read {v['read_gb_s']:.1f} GB/s, int8 {v['int8_gmac_s']:.0f} G MAC/s"
-               for k, v in r["roofline"].items()) + ".", "",
-           "`llama_decode` of k rows after a 64-token prefix, all logits, best of the interleaved rounds: t(k) / t(1) "
-           "of ggml's kernels and of ours, ours against ggml's one-row time, and the share of the roofline ours "
-           "reach (the weights read once at the measured bandwidth ÷ the time; k rows of multiply-adds at the "
-           "measured int8 peak ÷ the time).", ""]
+def _kernel_curves(r: dict) -> list[str]:
+    out: list[str] = []
     ks = ["1", "2", "3", "4", "6", "8", "12", "16"]
     for name, c in r.get("curve", {}).items():
         g, o = c["modes"]["ggml"], c["modes"]["dflash"]
@@ -1045,6 +1033,24 @@ def kernels() -> list[str]:
             out += ["| ours: read share | " + " | ".join(f"{o['read_share'][k]:.2f}" for k in ks) + " |",
                     "| ours: multiply-add share | " + " | ".join(f"{o['mac_share'][k]:.2f}" for k in ks) + " |"]
         out.append("")
+    return out
+
+
+def kernels() -> list[str]:
+    if not (HERE / "kernels.json").is_file():
+        return []
+    r = _load("kernels.json")
+    out = ["## Small-batch kernels", "", _source(r["command"], r["date"], "kernels.json",
+                                                 f"; {r['cpu']}, {r['threads']} threads, {r['kernels']}, "
+                                                 f"load {r['load'][0]:.2f} before / {r['load_after'][0]:.2f} after"),
+           "", "Roofline (`dflash_kernels_roofline`): " + "; ".join(
+               f"{k.replace('/', ', ')} thread(s) read {v['read_gb_s']:.1f} GB/s, int8 {v['int8_gmac_s']:.0f} G MAC/s"
+               for k, v in r["roofline"].items()) + ".", "",
+           "`llama_decode` of k rows after a 64-token prefix, all logits, best of the interleaved rounds: t(k) / t(1) "
+           "of ggml's kernels and of ours, ours against ggml's one-row time, and the share of the roofline ours "
+           "reach (the weights read once at the measured bandwidth ÷ the time; k rows of multiply-adds at the "
+           "measured int8 peak ÷ the time).", ""]
+    out += _kernel_curves(r)
     for sname, rows in r.get("e2e", {}).items():
         out += [f"**End to end, {sname}** (the default model Q4_0 and the shipped drafter, greedy, 128 tokens a "
                 "prompt, interleaved prompt by prompt; tok/s of decoding):", "",
@@ -1054,6 +1060,12 @@ def kernels() -> list[str]:
             out.append(f"| {k} | {v['tok_s']} | {v['vs_llama_cpp']:.2f} | {v.get('vs_own_plain', '')} | "
                        f"{v.get('tau', '')} | {v.get('identical_to_plain', '')} |")
         out.append("")
+    if (HERE / "kernels_curve.json").is_file():  # the curve measured again after later kernel changes
+        c = _load("kernels_curve.json")
+        out += ["### The verify curve, measured again", "",
+                _source(c["command"], c["date"], "kernels_curve.json",
+                        f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
+                        f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
     return out
 
 
