@@ -1036,6 +1036,20 @@ def _kernel_curves(r: dict) -> list[str]:
     return out
 
 
+def _kernel_e2e(r: dict) -> list[str]:
+    out: list[str] = []
+    for sname, rows in r.get("e2e", {}).items():
+        out += [f"**End to end, {sname}** (the default model Q4_0 and the shipped drafter, greedy, 128 tokens a "
+                "prompt, interleaved prompt by prompt; tok/s of decoding):", "",
+                "| configuration | tok/s | vs llama-cpp-python | vs its own plain loop | tau | identical to plain |",
+                "|---|---|---|---|---|---|"]
+        for k, v in rows.items():
+            out.append(f"| {k} | {v['tok_s']} | {v['vs_llama_cpp']:.2f} | {v.get('vs_own_plain', '')} | "
+                       f"{v.get('tau', '')} | {v.get('identical_to_plain', '')} |")
+        out.append("")
+    return out
+
+
 def kernels() -> list[str]:
     if not (HERE / "kernels.json").is_file():
         return []
@@ -1051,21 +1065,19 @@ def kernels() -> list[str]:
            "reach (the weights read once at the measured bandwidth ÷ the time; k rows of multiply-adds at the "
            "measured int8 peak ÷ the time).", ""]
     out += _kernel_curves(r)
-    for sname, rows in r.get("e2e", {}).items():
-        out += [f"**End to end, {sname}** (the default model Q4_0 and the shipped drafter, greedy, 128 tokens a "
-                "prompt, interleaved prompt by prompt; tok/s of decoding):", "",
-                "| configuration | tok/s | vs llama-cpp-python | vs its own plain loop | tau | identical to plain |",
-                "|---|---|---|---|---|---|"]
-        for k, v in rows.items():
-            out.append(f"| {k} | {v['tok_s']} | {v['vs_llama_cpp']:.2f} | {v.get('vs_own_plain', '')} | "
-                       f"{v.get('tau', '')} | {v.get('identical_to_plain', '')} |")
-        out.append("")
+    out += _kernel_e2e(r)
     if (HERE / "kernels_curve.json").is_file():  # the curve measured again after later kernel changes
         c = _load("kernels_curve.json")
         out += ["### The verify curve, measured again", "",
                 _source(c["command"], c["date"], "kernels_curve.json",
                         f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
                         f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
+    if (HERE / "kernels_e2e.json").is_file():  # end to end measured again after later changes
+        e = _load("kernels_e2e.json")
+        out += ["### End to end, measured again", "",
+                _source(e["command"], e["date"], "kernels_e2e.json",
+                        f"; {e['cpu']}, {e['threads']} threads, {e['kernels']}, load {e['load'][0]:.2f} before / "
+                        f"{e['load_after'][0]:.2f} after"), ""] + _kernel_e2e(e)
     return out
 
 
