@@ -118,11 +118,11 @@ static int wait_fd(int fd, short ev, double timeout_s, atomic_bool * stop) {
     }
 }
 
-static bool read_full(int fd, void * buf, size_t n, double timeout_s, atomic_bool * stop) {
-    uint8_t * p = buf;
+/* all n bytes sent (out) or received, each wait bounded by timeout_s (and stop, when given) */
+static bool transfer_full(int fd, uint8_t * p, size_t n, double timeout_s, atomic_bool * stop, bool out) {
     while (n > 0) {
-        if (wait_fd(fd, POLLIN, timeout_s, stop) != 0) return false;
-        ssize_t r = recv(fd, p, n, 0);
+        if (wait_fd(fd, out ? POLLOUT : POLLIN, timeout_s, stop) != 0) return false;
+        ssize_t r = out ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
         if (r <= 0) {
             if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
             return false;
@@ -133,19 +133,12 @@ static bool read_full(int fd, void * buf, size_t n, double timeout_s, atomic_boo
     return true;
 }
 
+static bool read_full(int fd, void * buf, size_t n, double timeout_s, atomic_bool * stop) {
+    return transfer_full(fd, buf, n, timeout_s, stop, false);
+}
+
 static bool write_full(int fd, const void * buf, size_t n, double timeout_s) {
-    const uint8_t * p = buf;
-    while (n > 0) {
-        if (wait_fd(fd, POLLOUT, timeout_s, NULL) != 0) return false;
-        ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
-        if (r <= 0) {
-            if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-            return false;
-        }
-        p += r;
-        n -= (size_t) r;
-    }
-    return true;
+    return transfer_full(fd, (uint8_t *) buf, n, timeout_s, NULL, true);
 }
 
 static void set_nodelay(int fd) {

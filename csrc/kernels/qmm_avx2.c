@@ -229,15 +229,7 @@ static inline float hsum(__m256 v) {
 #define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE)                                                          \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
-    static inline void fdot_##T(int m, const uint8_t * row, int rr, const struct dfk_act * a, int r0,  \
-                                float * y, size_t y_stride) {                                          \
-        switch (m) {                                                                                   \
-        case 1: fdot_##T##_1(row, rr, a, r0, y, y_stride); break;                                      \
-        case 2: fdot_##T##_2(row, rr, a, r0, y, y_stride); break;                                      \
-        case 3: fdot_##T##_3(row, rr, a, r0, y, y_stride); break;                                      \
-        default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
-        }                                                                                              \
-    }                                                                                                  \
+    FDOT_SWITCH(T)                                                                                     \
     DFK_FMUL(T, 4)
 
 /*         type    ZP SIGNED MINS FINE */

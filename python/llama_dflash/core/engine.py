@@ -205,7 +205,10 @@ class EngineCore(_native.Resource):
         falls back, the target context is created with the caller's own settings (flash
         attention as asked) -- the default mode exactly as ``exact=False`` would load it."""
         if self._exact_wanted and self.unavailable is None and self.exact is None:
-            v = self._self_check(cparams)
+            rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
+            placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
+            v = exact_mode.self_check_for(cparams, self._model, self._model_path, rows, self._n_threads,
+                                          self._exact_repacked, "" if placement == "cpu" else placement)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
                 log.warning("llama-dflash: exact mode off for this target (%s): default mode", v.describe())
@@ -216,28 +219,6 @@ class EngineCore(_native.Resource):
                 self.exact = v
         if self._capture is not None:
             self._capture.install(cparams)
-
-    def _self_check(self, cparams) -> exact_mode.Verdict:
-        """Exact mode's self-check on a probe context with the target context's settings."""
-        cp = type(cparams).from_buffer_copy(cparams)
-        # holds the long probe (past 256 positions) and every verify batch in one ubatch, so that its
-        # verdict covers any context of these settings (the probe's prefixes are decoded alike both ways)
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = 512
-        cp.n_seq_max = 1
-        cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # (not the capture's)
-        cp.cb_eval_user_data = None
-        ctx = llama_cpp.llama_init_from_model(self._model, cp)
-        if not ctx:
-            raise DFlashError("exact mode: could not create a context for its self-check")
-        try:
-            exact_mode.reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
-            rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
-            placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
-            return exact_mode.self_check(ctx, self._model, self._model_path, rows, self._n_threads,
-                                         self._exact_repacked, placement="" if placement == "cpu" else placement)
-        finally:
-            exact_mode.reference_kernels(ctx, False)
-            llama_cpp.llama_free(ctx)
 
     def attach(self, ctx) -> None:
         """Bind the capture and create the engine on the target context (``llama_context *``)."""

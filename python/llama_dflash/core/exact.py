@@ -321,6 +321,13 @@ def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
         llama_cpp.llama_model_free(model)
 
 
+def _cached(key: str) -> Verdict | None:
+    if key and isinstance(hit := JsonStore("exact-verdicts.json").get(key), dict):
+        with contextlib.suppress(TypeError):  # an entry of another version: probe again
+            return Verdict(**hit)
+    return None
+
+
 def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
                repacked: bool = False, placement: str = "") -> Verdict:
     """Probe batches of 2..n_rows rows on the target context ``ctx`` (``llama_context *``, before
@@ -332,15 +339,43 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
     key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, _reaches_long(ctx, n_rows),
                      placement) if model_path else ""
-    store = JsonStore("exact-verdicts.json")
-    if key and isinstance(hit := store.get(key), dict):
-        with contextlib.suppress(TypeError):  # an entry of another version: probe again
-            return Verdict(**hit)
+    if (v := _cached(key)) is not None:
+        return v
     max_rows, diff, at = _max_rows(ctx, model, n_rows)
     v = Verdict(max_rows, n_rows, diff, key, bool(repacked), at)
     if key:
-        store.put(key, asdict(v))
+        JsonStore("exact-verdicts.json").put(key, asdict(v))
     return v
+
+
+PROBE_CTX = 512  # the probe context: holds the long probe and every verify batch in one ubatch
+
+
+def self_check_for(cparams, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
+                   repacked: bool = False, placement: str = "") -> Verdict:
+    """The self-check for a target context to be created with ``cparams`` (before it exists): run
+    on a probe context of the same settings and PROBE_CTX positions, so that its verdict covers any
+    context of these settings (the probe's prefixes are decoded alike both ways); a cached verdict
+    needs no probe context at all."""
+    n_rows = max(2, min(int(n_rows), PROBE_CTX - PROBE_PREFIX - PROBE_AFTER))  # (as self_check clamps it)
+    long = PROBE_CTX >= PROBE_LONG + n_rows + PROBE_AFTER  # (as _reaches_long finds it on that context)
+    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, long, placement) if model_path else ""
+    if (v := _cached(key)) is not None:
+        return v
+    cp = type(cparams).from_buffer_copy(cparams)
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = PROBE_CTX
+    cp.n_seq_max = 1
+    cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # (not the capture's)
+    cp.cb_eval_user_data = None
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        raise DFlashError("exact mode: could not create a context for its self-check")
+    try:
+        reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
+        return self_check(ctx, model, model_path, n_rows, n_threads, repacked, placement)
+    finally:
+        reference_kernels(ctx, False)
+        llama_cpp.llama_free(ctx)
 
 
 def flash_attn_for(exact: bool | str, flash_attn: bool | None) -> bool | None:
