@@ -93,10 +93,13 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
                                      int32_t n_ctx, int32_t n_threads,
                                      char * err, size_t err_len);
 void dflash_drafter_free(dflash_drafter * d);
-/* Read and validate a drafter file without a target: every key, tensor name, shape
- * and type the loader checks (n_vocab taken from the file's tokenizer.ggml.tokens).
- * out (optional) receives its hyper-parameters.  Returns 0, or -1 with the reason. */
-int32_t dflash_drafter_check(const char * path, struct dflash_drafter_info * out, char * err, size_t err_len);
+/* Read and validate a drafter file as the loader does, without loading its weights: every
+ * key, tensor name, shape and type, and with a target (optional: may be NULL; a model loaded
+ * with vocab_only suffices) everything checked against it -- the same tokenizer, hidden size,
+ * taps.  Without one, n_vocab is the file's tokenizer.ggml.tokens.  out (optional) receives
+ * its hyper-parameters.  Returns 0, or -1 with the reason. */
+int32_t dflash_drafter_check(const char * path, const struct llama_model * target, struct dflash_drafter_info * out,
+                             char * err, size_t err_len);
 void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out);
 
 /* Bytes the drafter allocated itself (the borrowed embedding/head excluded). */

@@ -320,13 +320,13 @@ def test_cli_convert_and_inspect(artifacts, tmp_path):
     out1 = tmp_path / "v1.gguf"
     assert run_cli("convert", str(v1), "--target", a["target"], "--outfile", str(out1)).returncode == 0
     r = run_cli("inspect", str(out1), "--target", a["target"])
-    assert r.returncode == 0 and "fits" in r.stdout.splitlines()[-1], r.stdout
+    assert r.returncode == 0 and "speculates with this drafter" in r.stdout.splitlines()[-1], r.stdout
     from models import TargetSpec, write_target
 
     wide = write_target(str(tmp_path / "wide.gguf"), TargetSpec(n_embd=96, n_head=4, n_head_kv=2))
     r = run_cli("inspect", str(out1), "--target", wide)
     # a drafter that does not fit the target is a failed check: exit status 1
-    assert r.returncode == 1 and "does not fit" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
+    assert r.returncode == 1 and "will not speculate" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
     # user errors: one line, non-zero
     r = run_cli("convert", str(tmp_path / "nope"), "--target", a["target"], "--outfile", str(out))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no config.json" in r.stderr

@@ -138,6 +138,15 @@ class Run:
         return s
 
 
+def target_refusal(model) -> str | None:
+    """Why this target model cannot speculate, in one line, or None when it can (a vocab-only
+    load suffices: ``llama-dflash inspect --target`` asks the same question)."""
+    lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
+    if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+        return "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+    return None
+
+
 class EngineCore(_native.Resource):
     """Drafter, feature capture and C engine over one target model and its context.
 
@@ -177,9 +186,7 @@ class EngineCore(_native.Resource):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.drafter_info: DrafterConfig | None = None
         self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
-        lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
-        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-            self.unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+        self.unavailable = target_refusal(model)
         taps = list(capture_layers or [])
         if drafter_path is not None:
             self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
