@@ -18,7 +18,6 @@
 
 _Static_assert(DFLASH_MAX_ROWS == DFLASH_MAX_DRAFT + 1, "dflash.h: DFLASH_MAX_ROWS");
 
-#define DFLASH_MAX_SEQ_GROUP 64  // engines one group step takes
 
 // One step between drafting and verification: what is verified, and what the policy needs after.
 struct step_plan {
@@ -66,8 +65,8 @@ struct dflash_engine {
     int32_t n_hist, n_gen, n_past;  // committed tokens, generated tokens, target KV length
     int32_t n_prefilled;            // the last prompt (its KV made by prefill chunks from position 0)
     double t_start;
-    int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
-    float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
+    int32_t q_cand[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // rejection: the drafter's proposal, n x k candidates
+    float q_prob[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // and their q
     struct dflash_policy policy;           // adaptive draft lengths: the cost model and calibration
     int32_t seq;               // the target sequence this engine drives
     bool shared;               // on a context shared with other engines (dflash_engine_new_seq)
@@ -471,7 +470,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     e->eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
     e->active = true;
     st->n_generated = 1;
-    st->stop_reason = e->eos ? 1 : (max_tokens == 1 ? 2 : 0);
+    st->stop_reason = e->eos ? DFLASH_STOP_EOS : (max_tokens == 1 ? DFLASH_STOP_MAX_TOKENS : DFLASH_STOP_NONE);
     return tok;
 }
 
@@ -697,7 +696,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     st->t_verify_s += t_v;
     st->t_total_s = dflash_now() - e->t_start;
     st->n_generated = e->n_gen;
-    st->stop_reason = e->eos ? 1 : (e->n_gen >= params->max_tokens ? 2 : 0);
+    st->stop_reason = e->eos ? DFLASH_STOP_EOS : (e->n_gen >= params->max_tokens ? DFLASH_STOP_MAX_TOKENS : DFLASH_STOP_NONE);
 
     if (e->step_fn) {
         struct dflash_step s = {

@@ -219,7 +219,7 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
     if (hp->softcap < 0.0f) FAIL("'%s': final_logit_softcapping %g is negative", path, (double) hp->softcap);
     if (hp->version == 2) {
         if (hp->conv_kernel_size < 1 || hp->conv_kernel_size > 8) FAIL("'%s': conv_kernel_size %d is outside 1..8", path, hp->conv_kernel_size);
-        if (hp->selector_top_k < 1 || hp->selector_top_k > 64) FAIL("'%s': selector_top_k %d is outside 1..64", path, hp->selector_top_k);
+        if (hp->selector_top_k < 1 || hp->selector_top_k > DFLASH_MAX_TOP_K) FAIL("'%s': selector_top_k %d is outside 1..%d", path, hp->selector_top_k, DFLASH_MAX_TOP_K);
         if (hp->selector_rank < 1 || hp->conv_group_size < 1 || hp->n_embd % hp->conv_group_size != 0) {
             FAIL("'%s': conv_group_size %d must divide the hidden size %d (selector_rank %d)", path, hp->conv_group_size,
                  hp->n_embd, hp->selector_rank);

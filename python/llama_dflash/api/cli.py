@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import options
+from .._native import lib
 from ..errors import DFlashError
 from ..formats.gguf import OUTTYPES
 from ..train.store import FORMATS as FEATURE_FORMATS
@@ -75,7 +76,7 @@ SPECULATION_HELP = options.doc("speculation").replace("draft_n_max", "--draft-le
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_int(1), default=128)
-    p.add_argument("--draft-len", type=_int(0, 64), default=None,
+    p.add_argument("--draft-len", type=_int(0, lib.DFLASH_MAX_DRAFT), default=None,
                    help="longest draft per step (auto) / tokens drafted per step (on); default: block - 1")
     p.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     p.add_argument("--n-ctx", type=_int(1, 2**24), default=2048)
@@ -506,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--drafter", default=None, help="drafter GGUF (default with the embedded model: the shipped one)")
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--max-tokens", type=_int(1), default=256)
-    ch.add_argument("--draft-len", type=_int(0, 64), default=None)
+    ch.add_argument("--draft-len", type=_int(0, lib.DFLASH_MAX_DRAFT), default=None)
     ch.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     ch.add_argument("--n-ctx", type=_int(1, 2**24), default=4096)
     ch.add_argument("--threads", type=_int(1, 1024), default=None)

@@ -138,6 +138,10 @@ class Run:
         return s
 
 
+# drafts a caller's draft source (no drafter: no block size) may propose a step; the exact probe covers them
+SOURCE_MAX_DRAFT = exact_mode.PROBE_ROWS - 1
+
+
 def target_refusal(model) -> str | None:
     """Why this target model cannot speculate, in one line, or None when it can (a vocab-only
     load suffices: ``llama-dflash inspect --target`` asks the same question)."""
@@ -346,7 +350,7 @@ class EngineCore(_native.Resource):
             self._cost_key = policy.cost_key(model_path, drafter_path, self._n_threads, placement, mode)
             if policy.load(self._engine, self._cost_key):
                 return
-        n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, 15)
+        n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, SOURCE_MAX_DRAFT)
         if self.n_ctx >= 4:  # (the C core times what a small context or batch allows)
             policy.measure(self._engine, n + 1, n)
             self.forget()
