@@ -481,9 +481,6 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t ma
 /* Logits (n_vocab floats, the target's raw row) that produced the k-th token returned
  * by the last start (k = 0) or step; valid until the next start / step. */
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);
-/* Change the draft length for the following steps (0: plain steps), e.g. when speculation
- * does not pay off.  Clamped to what start accepted (the drafter's block). */
-void    dflash_engine_set_draft_len(dflash_engine * e, int32_t n);
 /* Forget what the target KV holds (someone else used the context): no prefix reuse next time. */
 void    dflash_engine_forget(dflash_engine * e);
 

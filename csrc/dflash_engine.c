@@ -61,7 +61,6 @@ struct dflash_engine {
     struct dflash_engine_params prm;
     struct dflash_stats stats;
     bool active, eos;
-    int32_t draft_len_max;          // the draft length start validated
     int32_t n_hist, n_gen, n_past;  // committed tokens, generated tokens, target KV length
     int32_t n_prefilled;            // the last prompt (its KV made by prefill chunks from position 0)
     double t_start;
@@ -441,7 +440,6 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     e->n_past = 0; // until this generation's prefill is done
     memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
     e->prm = *params;
-    e->draft_len_max = params->n_draft;
     e->n_hist = n_prompt;
     st->n_prompt = n_prompt;
     st->n_reused = reuse;
@@ -845,12 +843,6 @@ void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out)
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k) {
     // start: the prefill's last row; a step: verify row k produced its k-th token
     return llama_get_logits_ith(e->ctx, e->stats.steps == 0 ? -1 : row_of(e, k));
-}
-
-void dflash_engine_set_draft_len(dflash_engine * e, int32_t n) {
-    if (n < 0) n = 0;
-    if (n > e->draft_len_max) n = e->draft_len_max;
-    e->prm.n_draft = n;
 }
 
 void dflash_engine_forget(dflash_engine * e) {

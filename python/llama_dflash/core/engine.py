@@ -118,10 +118,6 @@ class Run:
                         ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(p, (self.core.n_vocab,))
 
-    def set_draft_len(self, n: int) -> None:
-        """Draft length of the following steps (0: plain steps)."""
-        lib.dflash_engine_set_draft_len(self.engine, n)
-
     def stats(self) -> SpecStats:
         st = ffi.new("struct dflash_stats *")
         lib.dflash_engine_get_stats(self.engine, st)
