@@ -7,6 +7,8 @@ context is created (``prepare_context``) -- creates the C engine (``attach``) an
 generations described by one typed ``EngineRequest``.  ``SpeculativeGenerator`` and
 ``llama_dflash.Llama`` (and through them the server and the CLI) are adapters over it: a
 parameter travels entry point -> ``EngineRequest`` -> ``struct dflash_engine_params``.
+``JointEngines`` holds the native side of several sequences stepped together (the group's
+context, capture and per-sequence engines); ``core/group.py`` schedules them without a handle.
 """
 
 from __future__ import annotations
@@ -411,6 +413,111 @@ class EngineCore(_native.Resource):
         if getattr(self, "_drafter", None):
             self._drafter.close()
         self._drafter = None
+        if getattr(self, "_capture", None) is not None:
+            self._capture.close()
+        self._capture = None
+
+
+class JointBatchesDiffer(DFlashError):
+    """Exact mode: joint batches of several sequences do not round as plain decoding does."""
+
+
+class JointEngines(_native.Resource):
+    """The native side of a group of sequences (core/group.py schedules them, holding no handle):
+    one target context on ``core``'s model with a KV stream per sequence, its capture, and a C
+    engine per sequence over the core's drafter, seeded with the core's cost model.
+
+    cparams: the core's ``llama_context_params`` (copied, then sized for n_seq x n_ctx).
+    max_rows: exact mode's proven rows (0: the default mode); in exact mode the context gets the
+    reference kernels and its joint batches are checked against plain decoding first
+    (JointBatchesDiffer if they round apart)."""
+
+    def __init__(self, core: EngineCore, cparams, n_seq: int, n_ctx: int, max_rows: int) -> None:
+        self._ctx = self._capture = None
+        self._engines: list = []
+        cp = type(cparams).from_buffer_copy(cparams)
+        cp.n_ctx = n_seq * n_ctx
+        cp.n_seq_max = n_seq
+        # A KV stream per sequence: a row's attention spans its own sequence's cells only (in one cache it
+        # spans every slot's: 1.6x slower for 8 x 1 rows at 400 positions each), its cells stay in
+        # position order (in one cache a rolled-back draft's cells go to whichever sequence comes next,
+        # and attention then sums them in another order: exact mode would break), and its rows round
+        # as they do alone more often.  Joint decodes keep equal rows per sequence (C side) so that
+        # llama.cpp's split by sequence stays one ubatch.  Measured: bench/RESULTS.md, "Concurrent".
+        cp.kv_unified = False
+        cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
+        cp.cb_eval_user_data = None
+        taps = list(core.drafter_info.target_layers) if core.has_drafter else []
+        if taps:
+            self._capture = Capture(core._model, taps, int(cp.n_batch), core.capture_mode)
+            self._capture.install(cp)
+        self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
+        if not self._ctx:
+            self.close()
+            raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
+        try:
+            if self._capture is not None:
+                self._capture.attach(self._ctx)
+            if core.exact is not None:  # the rounding of the core's context, and a check that joint batches keep it
+                exact_mode.reference_kernels(self._ctx)
+                gap = exact_mode.joint_check(self._ctx, core.ctx, core._model, core._model_path, n_seq, max_rows,
+                                             core._n_threads, core._exact_repacked)
+                if gap != 0.0:
+                    raise JointBatchesDiffer(f"joint batches of {n_seq} sequences round apart from plain decoding "
+                                             f"(logit gap {gap:.3g}): requests are served one at a time")
+            drafter = core.drafter.handle if core.has_drafter else ffi.NULL
+            ctx_c, err = _native.ptr("struct llama_context *", self._ctx), _native.err_buf()
+            for s in range(n_seq):
+                e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture.handle if self._capture else ffi.NULL, s,
+                                              err, _native.ERR_LEN)
+                if e == ffi.NULL:
+                    raise DFlashError(_native.err_str(err))
+                self._engines.append(e)
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq)  # positions per sequence
+        self._max_rows = max_rows
+        self._copy_costs(core)
+
+    def _copy_costs(self, core: EngineCore) -> None:
+        """The core's cost model and calibration (if it has one): each sequence's prior."""
+        costs = ffi.new("struct dflash_costs *")
+        cal = ffi.new("struct dflash_calibration *")
+        if core._engine is None or not lib.dflash_engine_get_costs(core._engine, costs):
+            return
+        lib.dflash_engine_get_calibration(core._engine, cal)
+        for e in self._engines:
+            lib.dflash_engine_set_costs(e, costs)
+            lib.dflash_engine_set_calibration(e, cal)
+
+    def start(self, core: EngineCore, slot: int, tokens: list[int], req: EngineRequest,
+              history: Sequence[int] = ()) -> contextlib.AbstractContextManager[Run]:
+        """A Run of one generation on the sequence `slot`'s engine (see ``EngineCore.run``)."""
+        return core.run(tokens, req, history=history, engine=self._engines[slot])
+
+    def prefill(self, slot: int, run: Run, n_tokens: int, err) -> int:
+        """The prompt of `run` into its sequence: the first generated token (checked by run)."""
+        first = lib.dflash_engine_start(self._engines[slot], run.prompt_c, n_tokens, run.params, ffi.NULL, err,
+                                        _native.ERR_LEN)
+        run.check(first, err)
+        return first
+
+    def step(self, slots: Sequence[int], out, counts, err) -> bool:
+        """One joint decode of the sequences `slots` (their draft, one verify batch, accept): each
+        one's tokens into out (DFLASH_MAX_ROWS apart), their number into counts (< 0: its error).
+        False when the whole step failed (err says why)."""
+        engines = ffi.new("dflash_engine *[]", [self._engines[s] for s in slots])
+        return lib.dflash_engine_step_group(engines, len(slots), self._max_rows, out, counts, err,
+                                            _native.ERR_LEN) == 0
+
+    def close(self) -> None:
+        for e in getattr(self, "_engines", []):
+            lib.dflash_engine_free(e)
+        self._engines = []
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+        self._ctx = None
         if getattr(self, "_capture", None) is not None:
             self._capture.close()
         self._capture = None
