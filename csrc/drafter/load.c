@@ -34,7 +34,7 @@ struct key_reader {
     char * err;
     size_t err_len;
     bool v2;
-    int32_t n_target_layers, n_rope_sections, n_swa_layers; // array lengths read
+    int32_t n_target_layers, n_rope_sections, n_swa_layers, n_causal_layers; // array lengths read
 };
 
 static const char * const ROPE_SCALING_NAMES[] = { "none", "linear", "yarn" };
@@ -202,6 +202,9 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
         // M-RoPE drafts carry [head_dim/2, 0, 0, 0]: plain 1-D positions
         if (hp->rope_sections[i] != 0) FAIL("'%s': multi-axis rope sections are not supported", path);
     }
+    if (hp->rope_dims < 2 || hp->rope_dims > hp->head_dim || hp->rope_dims % 2 != 0) {
+        FAIL("'%s': dflash.rope.dimension_count %d must be even and in 2..head_dim (%d)", path, hp->rope_dims, hp->head_dim);
+    }
     if (hp->rope_scaling != 0 && !(hp->rope_factor > 0.0f)) {
         FAIL("'%s': rope scaling '%s' needs a positive dflash.rope.scaling.factor", path, ROPE_SCALING_NAMES[hp->rope_scaling]);
     }
@@ -221,7 +224,7 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
 // Every key of the table into hp, then the equal / alias / refused keys.
 static bool read_keys(struct dflash_drafter_info * hp, const struct gguf_context * g, bool v2, const char * path,
                       char * err, size_t err_len) {
-    struct key_reader r = { g, path, err, err_len, v2, 0, 0, 0 };
+    struct key_reader r = { g, path, err, err_len, v2, 0, 0, 0, 0 };
     memset(hp, 0, sizeof(*hp));
     hp->version = v2 ? 2 : 1;
     bool ok = true;
@@ -239,6 +242,14 @@ static bool read_keys(struct dflash_drafter_info * hp, const struct gguf_context
         // no pattern: every layer uses the window
         hp->swa_layers[i] = hp->n_swa > 0 && (r.n_swa_layers == 0 || (i < r.n_swa_layers && hp->swa_layers[i]));
     }
+    if (r.n_causal_layers > 0 && r.n_causal_layers != hp->n_layer) {
+        FAIL("'%s': dflash.attention.causal_pattern has %d entries for %d layers", path, r.n_causal_layers, hp->n_layer);
+    }
+    for (int i = 0; i < DFLASH_MAX_LAYERS; i++) {
+        // no pattern: the global flag (upstream's one key) for every layer
+        hp->causal_layers[i] = r.n_causal_layers > 0 ? (i < r.n_causal_layers && hp->causal_layers[i]) : hp->causal;
+    }
+    if (hp->value_scale == 0.0f) hp->value_scale = 1.0f; // upstream writes 0 for "unset"
     if (!v2) {
         hp->conv_kernel_size = hp->conv_group_size = hp->selector_rank = hp->selector_top_k = 0;
     }
@@ -687,6 +698,12 @@ static bool runs_repacked(const struct dflash_drafter * d, ggml_backend_buffer_t
     return ok;
 }
 
+// Matrices read by get_rows (the embedding, the DFlash2 codebooks): never in the repacking buffer,
+// whose layout only its mul_mat kernels read.
+static bool gathered(const char * field) {
+    return strcmp(field, "tok_embd") == 0 || strcmp(field, "sel_pred") == 0 || strcmp(field, "sel_succ") == 0;
+}
+
 // Copies of the file's tensors in our own buffers (the target's borrowed ones stay where they are):
 // matrices that only multiply (W; the embedding is also gathered) in the repacking buffer where
 // the CPU takes them, everything else in the first backend's buffer.
@@ -710,7 +727,7 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
     }
 #define X(field, name, need, dtype, ...)                                                    \
     if (strcmp(#field, "d2t") != 0) {                                                      \
-        DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && strcmp(#field, "tok_embd") != 0) \
+        DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && !gathered(#field))       \
     }
     DFLASH_TOP_TENSORS(X)
 #undef X
