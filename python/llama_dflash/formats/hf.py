@@ -386,6 +386,9 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo,
     if not (0 < prf <= 1) or rope_dims < 2 or rope_dims % 2:
         fail("partial_rotary_factor", f"{prf} gives {rope_dims} rotated dimensions of {head_dim} (need an even "
                                       f"number >= 2)")
+    backbone = get("backbone_rotary_base")  # (MiMo) a second RoPE base whose use is not published: run only if equal
+    if backbone is not None and backbone != theta:
+        fail("dflash_config.backbone_rotary_base", f"{backbone!r} differs from rope_theta {theta} (not supported)")
     n_ctx_train = num("max_position_embeddings", cfg.get("max_position_embeddings"), 32768, int)
     rope_fields, rope_freqs = hf_rope(scaling, theta, head_dim, rope_dims, n_ctx_train, fail)
 

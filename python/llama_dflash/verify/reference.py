@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -221,7 +222,7 @@ class DFlashReference(nn.Module):
         per-frequency RoPE factors (rope_freqs.weight), a buffer shared by the layers."""
         super().__init__()
         self.cfg = cfg
-        self.rope_freqs = None if rope_freqs is None else torch.as_tensor(rope_freqs, dtype=torch.float32)
+        self.rope_freqs = None if rope_freqs is None else torch.tensor(np.array(rope_freqs), dtype=torch.float32)
         self.fc = nn.Linear(cfg.n_embd * len(cfg.target_layers), cfg.n_embd, bias=False)
         self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.layers = nn.ModuleList(Layer(cfg, attention_bias, self.rope_freqs) for _ in range(cfg.n_layer))
