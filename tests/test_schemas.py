@@ -42,11 +42,15 @@ EXPECT = {
     "muse_v1_assistant": dict(version=1, block_size=16, causal=F, causal_layers=[], n_swa=9, swa_layers=[T] * 5),
     "qwen38_dflash2": dict(version=2, block_size=8, causal=F, n_swa=9, swa_layers=[T] * 5, rms_eps=1e-6),
     "speculators_dflash2": dict(version=2, block_size=8, n_layer=2, causal=F, n_swa=9, swa_layers=[T] * 2),
+    # z-lab's code reads the transforms at the top level too (no published checkpoint sets them there yet)
+    "qwen3_toplevel_transforms": dict(version=1, block_size=16, embedding_scale=1.5, logit_scale=0.5, softcap=8.0),
 }
 # MiMo without the two fields this runtime refuses (attention_sink_bias, backbone_rotary_base)
 _MIMO_DC = {k: v for k, v in PUBLISHED["mimo"][0]["dflash_config"].items()
             if k not in ("attention_sink_bias", "backbone_rotary_base")}
-CHANGES = {"mimo_no_sink": ("mimo", {"dflash_config": _MIMO_DC})}
+CHANGES = {"mimo_no_sink": ("mimo", {"dflash_config": _MIMO_DC}),
+           "qwen3_toplevel_transforms": ("qwen3_v1_b16", {"input_embedding_scale": 1.5, "output_multiplier": 0.5,
+                                                         "final_logit_softcapping": 8.0})}
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +177,10 @@ def test_rope_matches_transformers(target, tmp_path, name):
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "bf16"])
-def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype):
+def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype, monkeypatch):
     """Codebooks, selector_hidden, fc and conv projections at the output type, as upstream writes them;
-    conv bases and norms f32.  The drafter loads and matches the reference on the dequantized file."""
+    conv bases and norms f32.  The drafter loads and matches the reference on the dequantized file;
+    codebooks dequantized at load (the default) and gathered as stored draft bit-identically."""
     hf_dir, _, _ = build(tmp_path, "muse_dflash2")
     out = tmp_path / f"{outtype}.gguf"
     convert_hf_to_gguf(hf_dir, target, out, outtype=outtype)
@@ -198,7 +203,17 @@ def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype):
     assert np.abs(logits - lg).max() < 0.05 * np.abs(lg).max()
     cand, scores = d.last_lattice()
     assert cand.shape == rcand.shape and len(toks) == 15
+    mem = d.memory()["weights"]
     d.close()
+    monkeypatch.setenv("DFLASH_CODEBOOKS_AS_STORED", "1")
+    d = Drafter(out, model, n_ctx=128, n_threads=2)
+    d.push(feats)
+    toks2, logits2 = d.draft(77, 15, return_logits=True)
+    cand2, scores2 = d.last_lattice()
+    assert d.memory()["weights"] < mem  # (codebooks as stored: the other path really taken)
+    d.close()
+    assert toks2 == toks and logits2.tobytes() == logits.tobytes()
+    assert cand2.tobytes() == cand.tobytes() and scores2.tobytes() == scores.tobytes()
 
 
 def _retype(src, dst, name, qtype: GGMLQuantizationType, data: np.ndarray):
@@ -289,3 +304,39 @@ def test_unknown_rope_type_cli_exit_2(target, tmp_path):
     assert r.returncode == 2 and "rope type 'dynamic' is not supported" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
+
+
+def test_dflash2_llama_quantize_k_quants(target, load_model, tmp_path, monkeypatch):
+    """A DFlash2 drafter through upstream's llama-quantize (Q4_K_M: Q4_K codebooks, the small matrices at
+    its fallback types) loads and drafts like the reference on the dequantized file; its codebooks
+    dequantized at load (the default) or gathered as stored, bit-identically."""
+    import llama_cpp
+
+    cfg = PUBLISHED["muse_dflash2"][0]
+    hf_dir, _, _ = make_published(tmp_path, "muse_dflash2",
+                                  dflash_config={**cfg["dflash_config"], "selector_rank": 256})
+    convert_hf_to_gguf(hf_dir, target, tmp_path / "f32.gguf", outtype="f32")
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(tmp_path / "f32.gguf").encode(), str(tmp_path / "q.gguf").encode(),
+                                          p) == 0
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    assert types["selector_predecessor.weight"] == types["selector_successor.weight"] == "Q4_K"
+    assert types["selector_hidden.weight"] != "F32" and types["blk.0.attn_conv_base"] == "F32"
+    model = load_model(target)
+    ref = DFlashReference.from_gguf(tmp_path / "q.gguf")
+    embed = torch.from_numpy(read_tensors(target, ["token_embd.weight"])["token_embd.weight"].copy())
+    feats = np.random.default_rng(6).standard_normal((40, 64 * 5)).astype(np.float32)
+    outs = []
+    for as_stored in ("0", "1"):
+        monkeypatch.setenv("DFLASH_CODEBOOKS_AS_STORED", as_stored)
+        d = Drafter(tmp_path / "q.gguf", model, n_ctx=128, n_threads=2)
+        d.push(feats)
+        toks, logits = d.draft(88, 15, return_logits=True)
+        outs.append((toks, logits.tobytes(), *(x.tobytes() for x in d.last_lattice())))
+        d.close()
+    assert outs[0] == outs[1]
+    lg = reference_draft(ref, feats, 88, 15, embed, embed)[0]
+    err = np.abs(np.frombuffer(outs[0][1], np.float32).reshape(lg.shape) - lg)
+    # (its q5_0 / q8_0 matrices multiply 8-bit activations through 5 layers)
+    assert err.max() < 0.1 * np.abs(lg).max() and err.mean() < 0.01 * np.abs(lg).max()
