@@ -64,6 +64,7 @@ struct dflash_drafter_info {
     int32_t mask_token_id;
     float   rms_eps;
     float   rope_theta;
+    int32_t rope_dims;        /* dimensions rotated (partial rotary: < head_dim; the first ones) */
     int32_t n_rope_sections;
     int32_t rope_sections[8]; /* M-RoPE drafts: [head_dim/2, 0, 0, 0] */
     int32_t rope_scaling;     /* 0 none, 1 linear, 2 yarn */
@@ -73,7 +74,9 @@ struct dflash_drafter_info {
     float   yarn_attn_factor;
     float   yarn_beta_fast;
     float   yarn_beta_slow;
-    int32_t causal;           /* block attention causal */
+    int32_t causal;           /* block attention causal (every layer, unless the file gives a pattern) */
+    int32_t causal_layers[64]; /* 1: layer i's block attention is causal (all = causal without a pattern) */
+    float   value_scale;      /* attention output scaled by this (MiMo's attention_value_scale) */
     int32_t n_swa;            /* sliding window (0 = none) */
     int32_t swa_layers[DFLASH_MAX_LAYERS]; /* 1: layer i uses the window (all layers when the file gives no pattern) */
     float   embedding_scale;

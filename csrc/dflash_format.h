@@ -16,7 +16,10 @@
  *   write    when the writer emits it: ALWAYS | NONDEF (value != default) |
  *            SCALED (rope scaling set) | YARN | SWA (sliding window set) | V2
  * Exceptions the code handles by name: target_layers are stored as HF layer
- * id + 1; rope_scaling is a string in the file ("none", "linear", "yarn").
+ * id + 1; rope_scaling is a string in the file ("none", "linear", "yarn");
+ * causal_layers (ours, not upstream's) overrides the global causal flag per layer;
+ * value_scale 0 means unset (upstream's convention).  llama3 RoPE and HF YaRN
+ * variants ggml cannot express natively are stored as rope_freqs.weight factors.
  */
 #ifndef DFLASH_FORMAT_H
 #define DFLASH_FORMAT_H
@@ -36,6 +39,7 @@
     X(mask_token_id,    "tokenizer.ggml.mask_token_id",                  U32,      REQ, 0,                          ALWAYS) \
     X(rms_eps,          "dflash.attention.layer_norm_rms_epsilon",       F32,      OPT, 1e-6f,                      ALWAYS) \
     X(rope_theta,       "dflash.rope.freq_base",                         F32,      OPT, 10000.0f,                   ALWAYS) \
+    X(rope_dims,        "dflash.rope.dimension_count",                   U32,      OPT, hp->head_dim,               ALWAYS) \
     X(rope_sections,    "dflash.rope.dimension_sections",                ARR_INT,  OPT, 0,                          NONDEF) \
     X(rope_scaling,     "dflash.rope.scaling.type",                      STR,      OPT, "none",                     NONDEF) \
     X(rope_factor,      "dflash.rope.scaling.factor",                    F32,      OPT, 1.0f,                       SCALED) \
@@ -45,6 +49,8 @@
     X(yarn_beta_fast,   "dflash.rope.scaling.yarn_beta_fast",            F32,      OPT, 32.0f,                      YARN) \
     X(yarn_beta_slow,   "dflash.rope.scaling.yarn_beta_slow",            F32,      OPT, 1.0f,                       YARN) \
     X(causal,           "dflash.attention.causal",                       BOOL,     OPT, 0,                          NONDEF) \
+    X(causal_layers,    "dflash.attention.causal_pattern",               ARR_BOOL, OPT, 0,                          NONDEF) \
+    X(value_scale,      "dflash.attention.value_scale",                  F32,      OPT, 1.0f,                       NONDEF) \
     X(n_swa,            "dflash.attention.sliding_window",               U32,      OPT, 0,                          NONDEF) \
     X(swa_layers,       "dflash.attention.sliding_window_pattern",       ARR_BOOL, OPT, 0,                          SWA) \
     X(embedding_scale,  "dflash.embedding_scale",                        F32,      OPT, 1.0f,                       NONDEF) \
@@ -58,8 +64,7 @@
 
 /* Keys that must equal a field when present (the writer emits them): X(key, type, field) */
 #define DFLASH_GGUF_EQUAL(X) \
-    X("dflash.attention.value_length",                U32, head_dim) \
-    X("dflash.rope.dimension_count",                  U32, head_dim)
+    X("dflash.attention.value_length",                U32, head_dim)
 
 /* Second names of a field (read after the first, so they win): X(key, type, field) */
 #define DFLASH_GGUF_ALIAS(X) \
@@ -68,7 +73,6 @@
 /* Keys of layouts we do not run: refused unless absent or equal to `allowed`
  * (type ANY: refused whenever present).  X(key, type, allowed, what) */
 #define DFLASH_GGUF_REFUSED(X) \
-    X("dflash.attention.value_scale",                 F32,  1, "attention value scaling") \
     X("dflash.rope.scaling.yarn_log_multiplier",      F32,  0, "YaRN with yarn_log_multiplier") \
     X("dflash.hidden_activation",                     ANY,  0, "Gemma-style drafters (hidden_activation)") \
     X("dflash.attention.scale",                       ANY,  0, "Gemma-style drafters (attention.scale)")
@@ -78,8 +82,9 @@
  *   field    the weight's name in the C structs (struct dflash_weights / dflash_layer)
  *   name     GGUF name; per-layer tensors are prefixed "blk.<i>."
  *   need     REQ | OPT | V2 (DFlash2 only, required there) | D2T (required with a d2t map)
- *   dtype    F32 (kept in f32: norms, conv bases, codebooks) | W (a matrix: f32, f16,
- *            bf16 or quantized) | I64 (id map)
+ *   dtype    F32 (kept in f32: norms, biases, conv bases, rope factors) | W (a matrix: f32,
+ *            f16, bf16 or quantized; the selector codebooks too, gathered by get_rows, as
+ *            upstream's converter and llama-quantize write them) | I64 (id map)
  *   ne0..2   ggml shape (ne0 = the contiguous dimension; PyTorch order is reversed)
  *   hf       HF checkpoint names, "|"-separated, the first one canonical ("" = none);
  *            per-layer names are prefixed "layers.<i>."
@@ -91,8 +96,9 @@
     X(tok_embd,    "token_embd.weight",           OPT, W,   hp->n_embd, hp->n_vocab, 1, "") \
     X(head,        "output.weight",               D2T, W,   hp->n_embd, hp->n_vocab_draft, 1, "") \
     X(d2t,         "d2t",                         OPT, I64, hp->n_vocab_draft, 1, 1, "") \
-    X(sel_pred,    "selector_predecessor.weight", V2,  F32, hp->selector_rank, hp->n_vocab, 1, "candidate_selector.predecessor_codebook|candidate_selector.predecessor_codebook.weight") \
-    X(sel_succ,    "selector_successor.weight",   V2,  F32, hp->selector_rank, hp->n_vocab, 1, "candidate_selector.successor_codebook|candidate_selector.successor_codebook.weight") \
+    X(rope_freqs,  "rope_freqs.weight",           OPT, F32, hp->head_dim / 2, 1, 1, "") \
+    X(sel_pred,    "selector_predecessor.weight", V2,  W,   hp->selector_rank, hp->n_vocab, 1, "candidate_selector.predecessor_codebook|candidate_selector.predecessor_codebook.weight") \
+    X(sel_succ,    "selector_successor.weight",   V2,  W,   hp->selector_rank, hp->n_vocab, 1, "candidate_selector.successor_codebook|candidate_selector.successor_codebook.weight") \
     X(sel_hidden,  "selector_hidden.weight",      V2,  W,   hp->n_embd, hp->selector_rank, 1, "candidate_selector.hidden_projection.weight")
 
 #define DFLASH_LAYER_TENSORS(X) \
@@ -101,6 +107,10 @@
     X(wk,             "attn_k.weight",         REQ, W,   hp->n_embd, hp->n_head_kv * hp->head_dim, 1, "self_attn.k_proj.weight") \
     X(wv,             "attn_v.weight",         REQ, W,   hp->n_embd, hp->n_head_kv * hp->head_dim, 1, "self_attn.v_proj.weight") \
     X(wo,             "attn_output.weight",    REQ, W,   hp->n_head * hp->head_dim, hp->n_embd, 1, "self_attn.o_proj.weight") \
+    X(bq,             "attn_q.bias",           OPT, F32, hp->n_head * hp->head_dim, 1, 1, "self_attn.q_proj.bias") \
+    X(bk,             "attn_k.bias",           OPT, F32, hp->n_head_kv * hp->head_dim, 1, 1, "self_attn.k_proj.bias") \
+    X(bv,             "attn_v.bias",           OPT, F32, hp->n_head_kv * hp->head_dim, 1, 1, "self_attn.v_proj.bias") \
+    X(bo,             "attn_output.bias",      OPT, F32, hp->n_embd, 1, 1, "self_attn.o_proj.bias") \
     X(q_norm,         "attn_q_norm.weight",    REQ, F32, hp->head_dim, 1, 1, "self_attn.q_norm.weight") \
     X(k_norm,         "attn_k_norm.weight",    REQ, F32, hp->head_dim, 1, 1, "self_attn.k_norm.weight") \
     X(ffn_norm,       "ffn_norm.weight",       REQ, F32, hp->n_embd, 1, 1, "post_attention_layernorm.weight") \

@@ -99,16 +99,13 @@ int32_t dflash_run_graph(struct dflash_drafter * d, struct dflash_state ** sts, 
         free(buf);
         if (G.anchor) ggml_backend_tensor_set(G.anchor, anchors, 0, sizeof(int32_t) * n_seq);
         for (int32_t s = 0; s < n_seq; s++) {
-            if (!G.mask_full[s] && !G.mask_swa[s]) continue;
             const int32_t a = sts[s]->n_cached + sts[s]->n_pending;
-            float * m = malloc(sizeof(float) * (size_t) G.n_kv[s] * n_block);
-            if (G.mask_full[s]) {
-                dflash_fill_mask(m, G.n_kv[s], G.n_kv_used[s], n_block, a, hp->causal, 0);
-                ggml_backend_tensor_set(G.mask_full[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
-            }
-            if (G.mask_swa[s]) {
-                dflash_fill_mask(m, G.n_kv[s], G.n_kv_used[s], n_block, a, hp->causal, hp->n_swa);
-                ggml_backend_tensor_set(G.mask_swa[s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
+            float * m = NULL;
+            for (int k = 0; k < DFLASH_MASK_KINDS; k++) {
+                if (!G.mask[k][s]) continue;
+                if (!m) m = malloc(sizeof(float) * (size_t) G.n_kv[s] * n_block);
+                dflash_fill_mask(m, G.n_kv[s], G.n_kv_used[s], n_block, a, k & 1, k & 2 ? hp->n_swa : 0);
+                ggml_backend_tensor_set(G.mask[k][s], m, 0, sizeof(float) * (size_t) G.n_kv[s] * n_block);
             }
             free(m);
         }

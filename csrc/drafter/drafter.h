@@ -89,13 +89,19 @@ static inline int32_t dflash_block_rows(const struct dflash_drafter_info * hp, i
     return n + (hp->sample_from_anchor ? 0 : 1);
 }
 
+// Attention mask kinds: bit 0 causal, bit 1 sliding window (docs/architecture.md §2.6).
+#define DFLASH_MASK_KINDS 4
+static inline int dflash_mask_kind(const struct dflash_drafter_info * hp, int il) {
+    return (hp->causal_layers[il] ? 1 : 0) | (hp->n_swa > 0 && hp->swa_layers[il] ? 2 : 0);
+}
+
 // graph.c: one graph over n_seq states (inputs named in struct dflash_graph).
 struct dflash_graph {
     struct ggml_context * ctx;
     struct ggml_cgraph * gf;
     struct ggml_tensor * feat[DFLASH_MAX_SEQ], * feat_pos[DFLASH_MAX_SEQ]; // injection inputs (or NULL)
     struct ggml_tensor * tokens, * block_pos;                            // [B * n_seq] (or NULL)
-    struct ggml_tensor * mask_full[DFLASH_MAX_SEQ], * mask_swa[DFLASH_MAX_SEQ]; // [n_kv_s, B] (or NULL)
+    struct ggml_tensor * mask[DFLASH_MASK_KINDS][DFLASH_MAX_SEQ];        // [n_kv_s, B] per kind (or NULL)
     struct ggml_tensor * logits, * argmax;                               // outputs, [.., n * n_seq]
     struct ggml_tensor * anchor;                                         // DFlash2: [n_seq] anchor ids
     struct ggml_tensor * cand, * scores;                                 // top-K ids, lattice / logits

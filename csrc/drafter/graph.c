@@ -105,13 +105,23 @@ static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * 
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
-// NeoX RoPE over the full head, with the file's linear / YaRN scaling.
-static struct ggml_tensor * rope(struct ggml_context * ctx, const struct dflash_drafter_info * hp,
-                                 struct ggml_tensor * x, struct ggml_tensor * pos) {
+// NeoX RoPE over the first rope_dims dimensions of each head (partial rotary: the rest pass), with
+// the file's linear / YaRN scaling and per-dimension frequency factors (rope_freqs: llama3 scaling, or
+// HF YaRN variants ggml's own ramp does not express).  yarn_attn_factor scales cos / sin in every mode.
+static struct ggml_tensor * rope(const struct dflash_drafter * d, struct ggml_context * ctx, struct ggml_tensor * x,
+                                 struct ggml_tensor * pos) {
+    const struct dflash_drafter_info * hp = &d->hp;
     const bool scaled = hp->rope_scaling != 0, yarn = hp->rope_scaling == 2;
-    return ggml_rope_ext(ctx, x, pos, NULL, hp->head_dim, GGML_ROPE_TYPE_NEOX, hp->rope_orig_ctx, hp->rope_theta,
-                         scaled ? 1.0f / hp->rope_factor : 1.0f, yarn ? hp->yarn_ext_factor : 0.0f,
-                         yarn ? hp->yarn_attn_factor : 1.0f, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    return ggml_rope_ext(ctx, x, pos, d->w.rope_freqs, hp->rope_dims, GGML_ROPE_TYPE_NEOX, hp->rope_orig_ctx,
+                         hp->rope_theta, scaled ? 1.0f / hp->rope_factor : 1.0f, yarn ? hp->yarn_ext_factor : 0.0f,
+                         hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+}
+
+// x W (+ b, where the file has the bias: gpt-oss drafters' attention_bias)
+static struct ggml_tensor * linear(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * b,
+                                   struct ggml_tensor * x) {
+    struct ggml_tensor * y = ggml_mul_mat(ctx, w, x);
+    return b ? ggml_add(ctx, y, b) : y;
 }
 
 // Project x ([n_embd, n]) to K/V for layer il and store them in st's cache at
@@ -124,11 +134,11 @@ static void store_kv(const struct dflash_drafter * d, struct dflash_state * st, 
     const int64_t n_kv_embd = (int64_t) hp->head_dim * hp->n_head_kv;
     struct ggml_tensor * kc = st->k_cache[il], * vc = st->v_cache[il];
 
-    struct ggml_tensor * k = ggml_mul_mat(ctx, L->wk, x);
+    struct ggml_tensor * k = linear(ctx, L->wk, L->bk, x);
     k = ggml_reshape_3d(ctx, k, hp->head_dim, hp->n_head_kv, n);
     k = rms(ctx, k, L->k_norm, hp->rms_eps);
-    k = rope(ctx, hp, k, pos);
-    struct ggml_tensor * v = ggml_mul_mat(ctx, L->wv, x); // [n_kv_embd, n]
+    k = rope(d, ctx, k, pos);
+    struct ggml_tensor * v = linear(ctx, L->wv, L->bv, x); // [n_kv_embd, n]
 
     struct ggml_tensor * k_dst = ggml_view_2d(ctx, kc, n_kv_embd, n, kc->nb[1], (size_t) off * kc->nb[1]);
     struct ggml_tensor * v_dst = ggml_view_2d(ctx, vc, n, n_kv_embd, vc->nb[1], (size_t) off * ggml_element_size(vc));
@@ -218,12 +228,10 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     ggml_set_input(G->tokens);
     G->block_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, N);
     ggml_set_input(G->block_pos);
-    // Masks only for the layer kinds that exist: an input no node reads is never
-    // allocated, and setting it would abort.
-    bool any_full = false, any_swa = false;
-    for (int il = 0; il < hp->n_layer; il++) {
-        if (hp->n_swa > 0 && hp->swa_layers[il]) any_swa = true; else any_full = true;
-    }
+    // Masks only for the layer kinds (causal or not, window or not) that exist: an input no node
+    // reads is never allocated, and setting it would abort.
+    bool kinds[DFLASH_MASK_KINDS] = { false };
+    for (int il = 0; il < hp->n_layer; il++) kinds[dflash_mask_kind(hp, il)] = true;
     for (int32_t s = 0; s < n_seq; s++) {
         // (used <= n_ctx: the draft calls check it; the cache's cells are n_ctx rounded up to DFLASH_KV_PAD)
         const int32_t used = sts[s]->n_cached + sts[s]->n_pending + n_block;
@@ -233,13 +241,11 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         G->n_kv[s] = padded < cells ? padded : cells;
         // (the cells past the used ones hold zeros or stale rows: masked, they weigh nothing -- but for a
         // NaN once written there, which would spoil drafts, never the verified output)
-        if ((hp->causal || G->n_kv[s] > used) && any_full) {
-            G->mask_full[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
-            ggml_set_input(G->mask_full[s]);
-        }
-        if (any_swa) {
-            G->mask_swa[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
-            ggml_set_input(G->mask_swa[s]);
+        for (int k = 0; k < DFLASH_MASK_KINDS; k++) {
+            // (the non-causal full-attention kind needs no mask when no padding cell is read)
+            if (!kinds[k] || (k == 0 && G->n_kv[s] == used)) continue;
+            G->mask[k][s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, G->n_kv[s], B);
+            ggml_set_input(G->mask[k][s]);
         }
     }
 
@@ -250,7 +256,7 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
     for (int il = 0; il < hp->n_layer; il++) {
         const struct dflash_layer * L = &d->layers[il];
         const bool v2 = hp->version == 2;
-        const bool swa = hp->n_swa > 0 && hp->swa_layers[il];
+        const int kind = dflash_mask_kind(hp, il);
         struct ggml_tensor * u = rms(ctx, h, L->attn_norm, hp->rms_eps);
         struct ggml_tensor * kern_a = NULL, * dyn_a = NULL;
         if (v2) {
@@ -259,10 +265,10 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         }
         if (!ggml_is_contiguous(u)) u = ggml_cont(ctx, u); // per-sequence column views below
 
-        struct ggml_tensor * q = ggml_mul_mat(ctx, L->wq, u);
+        struct ggml_tensor * q = linear(ctx, L->wq, L->bq, u);
         q = ggml_reshape_3d(ctx, q, hp->head_dim, hp->n_head, N);
         q = rms(ctx, q, L->q_norm, hp->rms_eps);
-        q = rope(ctx, hp, q, G->block_pos);
+        q = rope(d, ctx, q, G->block_pos);
 
         struct ggml_tensor * o = NULL;
         for (int32_t s = 0; s < n_seq; s++) {
@@ -282,7 +288,7 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
             // GEMM (llamafile's sgemm) instead of B x n_kv separate 64-wide dot products
             struct ggml_tensor * Q = ggml_cont(ctx, ggml_permute(ctx, q_s, 0, 2, 1, 3)); // [d, B, H]
             struct ggml_tensor * kq = ggml_mul_mat(ctx, K, Q);                       // [n_kv, B, H]
-            kq = ggml_soft_max_ext(ctx, kq, swa ? G->mask_swa[s] : G->mask_full[s], kq_scale, 0.0f);
+            kq = ggml_soft_max_ext(ctx, kq, G->mask[kind][s], kq_scale, 0.0f);
             struct ggml_tensor * V = ggml_view_3d(ctx, st->v_cache[il], n_kv, hp->head_dim, hp->n_head_kv,
                                                   st->v_cache[il]->nb[1], st->v_cache[il]->nb[1] * hp->head_dim, 0);
             struct ggml_tensor * o_s = ggml_mul_mat(ctx, V, kq);                     // [d, B, H]
@@ -291,6 +297,9 @@ bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, stru
         }
         o = ggml_reshape_2d(ctx, o, (int64_t) hp->head_dim * hp->n_head, N);
         o = ggml_mul_mat(ctx, L->wo, o);
+        // value scale: on the attention's output, as upstream applies it (= scaling V, before o's bias)
+        if (hp->value_scale != 1.0f) o = ggml_scale(ctx, o, hp->value_scale);
+        if (L->bo) o = ggml_add(ctx, o, L->bo);
         if (v2) o = conv_side(d, ctx, G, o, dyn_a, L->attn_conv_base, &kern_a, 1, B);
         h = ggml_add(ctx, h, o);
 

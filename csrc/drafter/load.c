@@ -35,7 +35,7 @@ struct key_reader {
     char * err;
     size_t err_len;
     bool v2;
-    int32_t n_target_layers, n_rope_sections, n_swa_layers; // array lengths read
+    int32_t n_target_layers, n_rope_sections, n_swa_layers, n_causal_layers; // array lengths read
 };
 
 static const char * const ROPE_SCALING_NAMES[] = { "none", "linear", "yarn" };
@@ -212,6 +212,9 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
         // M-RoPE drafts carry [head_dim/2, 0, 0, 0]: plain 1-D positions
         if (hp->rope_sections[i] != 0) FAIL("'%s': multi-axis rope sections are not supported", path);
     }
+    if (hp->rope_dims < 2 || hp->rope_dims > hp->head_dim || hp->rope_dims % 2 != 0) {
+        FAIL("'%s': dflash.rope.dimension_count %d must be even and in 2..head_dim (%d)", path, hp->rope_dims, hp->head_dim);
+    }
     if (hp->rope_scaling != 0 && !(hp->rope_factor > 0.0f)) {
         FAIL("'%s': rope scaling '%s' needs a positive dflash.rope.scaling.factor", path, ROPE_SCALING_NAMES[hp->rope_scaling]);
     }
@@ -231,7 +234,7 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
 // Every key of the table into hp, then the equal / alias / refused keys.
 static bool read_keys(struct dflash_drafter_info * hp, const struct gguf_context * g, bool v2, const char * path,
                       char * err, size_t err_len) {
-    struct key_reader r = { g, path, err, err_len, v2, 0, 0, 0 };
+    struct key_reader r = { g, path, err, err_len, v2, 0, 0, 0, 0 };
     memset(hp, 0, sizeof(*hp));
     hp->version = v2 ? 2 : 1;
     bool ok = true;
@@ -249,6 +252,14 @@ static bool read_keys(struct dflash_drafter_info * hp, const struct gguf_context
         // no pattern: every layer uses the window
         hp->swa_layers[i] = hp->n_swa > 0 && (r.n_swa_layers == 0 || (i < r.n_swa_layers && hp->swa_layers[i]));
     }
+    if (r.n_causal_layers > 0 && r.n_causal_layers != hp->n_layer) {
+        FAIL("'%s': dflash.attention.causal_pattern has %d entries for %d layers", path, r.n_causal_layers, hp->n_layer);
+    }
+    for (int i = 0; i < DFLASH_MAX_LAYERS; i++) {
+        // no pattern: the global flag (upstream's one key) for every layer
+        hp->causal_layers[i] = r.n_causal_layers > 0 ? (i < r.n_causal_layers && hp->causal_layers[i]) : hp->causal;
+    }
+    if (hp->value_scale == 0.0f) hp->value_scale = 1.0f; // upstream writes 0 for "unset"
     if (!v2) {
         hp->conv_kernel_size = hp->conv_group_size = hp->selector_rank = hp->selector_top_k = 0;
     }
@@ -559,11 +570,17 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
     for (struct ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
         const bool is_d2t = t == d->w.d2t;
         size_t nbytes = is_d2t ? sizeof(int64_t) * (size_t) t->ne[0] : ggml_nbytes(t);
+        // a tensor held in f32 though the file's is not (hold_f32): the file's bytes, converted below
+        const int64_t fid = gguf_find_tensor(g, ggml_get_name(t));
+        const enum ggml_type ftype = fid >= 0 ? gguf_get_tensor_type(g, fid) : t->type;
+        const bool convert = !is_d2t && ftype != t->type;
+        if (convert) nbytes = gguf_get_tensor_size(g, fid) + sizeof(float) * (size_t) ggml_nelements(t);
         if (nbytes > tmp_size) {
             free(tmp);
             tmp = malloc(nbytes);
             tmp_size = nbytes;
         }
+        if (convert) nbytes = gguf_get_tensor_size(g, fid);
         if (!tmp || !read_tensor_bytes(f, g, ggml_get_name(t), tmp, nbytes)) {
             dflash_seterr(err, err_len, "drafter file '%s' is truncated (tensor '%s')", path, ggml_get_name(t));
             ok = false;
@@ -574,6 +591,12 @@ static bool read_weights(struct dflash_drafter * d, const char * path, const str
             ok = d->d2t_host && check_d2t((const int64_t *) tmp, (int32_t) t->ne[0], d->hp.n_vocab, d->d2t_host, path, err, err_len);
             if (!ok) break;
             ggml_backend_tensor_set(t, d->d2t_host, 0, ggml_nbytes(t));
+            continue;
+        }
+        if (convert) {
+            float * f32 = (float *) ((char *) tmp + nbytes);
+            ggml_get_type_traits(ftype)->to_float(tmp, f32, ggml_nelements(t));
+            ggml_backend_tensor_set(t, f32, 0, ggml_nbytes(t));
             continue;
         }
         ggml_backend_tensor_set(t, tmp, 0, nbytes);
@@ -705,6 +728,33 @@ static bool runs_repacked(const struct dflash_drafter * d, ggml_backend_buffer_t
     return ok;
 }
 
+// Matrices read by get_rows (the embedding, the DFlash2 codebooks): never in the repacking buffer,
+// whose layout only its mul_mat kernels read.
+static bool gathered(const char * field) {
+    return strcmp(field, "tok_embd") == 0 || strcmp(field, "sel_pred") == 0 || strcmp(field, "sel_succ") == 0;
+}
+
+// Whether a gathered tensor is held in f32 though the file's is not.  The DFlash2 codebooks are:
+// gathering f32 rows made a draft 2 % faster on the CPU than gathering q8_0 ones (SmolLM2-135M
+// DFlash2 drafter, rank 256: 29.3 vs 29.9 ms CPU time a call, medians of 150 interleaved calls) for
+// 4x their q8_0 memory.  DFLASH_CODEBOOKS_AS_STORED=1 keeps them as stored (tests compare the two
+// paths).  Any gathered tensor is too where the backend's get_rows lacks its type (CUDA: K-quants).
+static bool hold_f32(const struct dflash_drafter * d, const char * field, enum ggml_type type) {
+    if (type == GGML_TYPE_F32) return false;
+    const char * env = getenv("DFLASH_CODEBOOKS_AS_STORED");
+    const bool as_stored = env && *env && strcmp(env, "0") != 0;
+    if (strcmp(field, "tok_embd") != 0 && !as_stored) return true;
+    if (!d->gpu) return false;
+    struct ggml_init_params ip = { 4 * ggml_tensor_overhead(), NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    if (!ctx) return true;
+    struct ggml_tensor * w = ggml_new_tensor_2d(ctx, type, 256, 2);
+    struct ggml_tensor * op = ggml_get_rows(ctx, w, ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1));
+    const bool ok = ggml_backend_supports_op(d->backends[0], op);
+    ggml_free(ctx);
+    return !ok;
+}
+
 // Copies of the file's tensors in our own buffers (the target's borrowed ones stay where they are):
 // matrices that only multiply (W; the embedding is also gathered) in the repacking buffer where
 // the CPU takes them, everything else in the first backend's buffer.
@@ -719,21 +769,23 @@ static bool alloc_weights(struct dflash_drafter * d, const struct gguf_context *
 #define DFLASH_MULTIPLIES_F32 0
 #define DFLASH_MULTIPLIES_W 1
 #define DFLASH_MULTIPLIES_I64 0
-#define DUP(dst, m, mat)                                                                   \
+#define DUP(dst, m, mat, f32)                                                              \
     if (m) {                                                                               \
         const bool r = (mat) && runs_repacked(d, rbuft, m);                                \
-        dst = ggml_dup_tensor(r ? d->ctx_wr : d->ctx_w, m);                                \
+        dst = (f32) ? ggml_new_tensor(d->ctx_w, GGML_TYPE_F32, GGML_MAX_DIMS, m->ne)       \
+                    : ggml_dup_tensor(r ? d->ctx_wr : d->ctx_w, m);                        \
         ggml_set_name(dst, ggml_get_name(m));                                              \
         n_repacked += r;                                                                   \
     }
 #define X(field, name, need, dtype, ...)                                                    \
     if (strcmp(#field, "d2t") != 0) {                                                      \
-        DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && strcmp(#field, "tok_embd") != 0) \
+        DUP(d->w.field, ft->w.field, DFLASH_MULTIPLIES_##dtype && !gathered(#field),       \
+            gathered(#field) && hold_f32(d, #field, ft->w.field->type))                      \
     }
     DFLASH_TOP_TENSORS(X)
 #undef X
     for (int il = 0; il < d->hp.n_layer; il++) {
-#define X(field, name, need, dtype, ...) DUP(d->layers[il].field, ft->layers[il].field, DFLASH_MULTIPLIES_##dtype)
+#define X(field, name, need, dtype, ...) DUP(d->layers[il].field, ft->layers[il].field, DFLASH_MULTIPLIES_##dtype, false)
         DFLASH_LAYER_TENSORS(X)
 #undef X
     }

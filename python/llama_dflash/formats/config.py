@@ -50,6 +50,8 @@ class DrafterConfig:
     n_ctx_train: int = _default("n_ctx_train")
     rms_eps: float = _default("rms_eps")
     rope_theta: float = _default("rope_theta")
+    # dimensions rotated, the first ones of each head (partial_rotary_factor < 1: fewer than head_dim)
+    rope_dims: int = _default("rope_dims")
     # drafts for M-RoPE targets carry degenerate sections [head_dim/2, 0, 0, 0]
     rope_sections: list[int] = _default("rope_sections")
     # RoPE scaling: "none", "linear" or "yarn", keys as llama.cpp's converter writes them
@@ -61,6 +63,10 @@ class DrafterConfig:
     yarn_beta_fast: float = _default("yarn_beta_fast")
     yarn_beta_slow: float = _default("yarn_beta_slow")
     causal: bool = _default("causal")
+    # per-layer causality (z-lab's rule: sliding layers causal unless is_causal); empty: `causal` for all
+    causal_layers: list[bool] = _default("causal_layers")
+    # the attention output scaled by this (MiMo's dflash_config.attention_value_scale)
+    value_scale: float = _default("value_scale")
     n_swa: int = _default("n_swa")
     swa_layers: list[bool] = _default("swa_layers")  # empty: every layer uses the window
     embedding_scale: float = _default("embedding_scale")
@@ -86,6 +92,10 @@ class DrafterConfig:
     def is_swa(self, il: int) -> bool:
         """Does layer il use the sliding window (every layer when no pattern is given)?"""
         return self.n_swa > 0 and (not self.swa_layers or bool(self.swa_layers[il]))
+
+    def is_causal(self, il: int) -> bool:
+        """Is layer il's block attention causal?"""
+        return bool(self.causal_layers[il]) if self.causal_layers else self.causal
 
     @property
     def max_draft(self) -> int:
@@ -119,6 +129,9 @@ def from_info(info) -> DrafterConfig:
             v = [int(v[i]) for i in range(info.n_rope_sections)]
         elif k.field == "swa_layers":
             v = [bool(v[i]) for i in range(info.n_layer)] if info.n_swa > 0 else []
+        elif k.field == "causal_layers":  # the loader expands it; uniform is written as `causal` alone
+            v = [bool(v[i]) for i in range(info.n_layer)]
+            v = [] if all(x == bool(info.causal) for x in v) else v
         elif k.field == "rope_scaling":
             v = ROPE_SCALING_NAMES[v]
         elif k.type == "BOOL":

@@ -24,10 +24,12 @@ from ..errors import DFlashError, printable
 from .check import check_drafter
 from .config import DrafterConfig
 from .gguf import TensorSource, copy_tokenizer, write_drafter
+from .rope import hf_rope
 from .safetensors import LazyTensor, SafetensorsError, open_checkpoint
 from .table import table
 
-ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+# (Muse-Glimmer's v1 assistant: mask / taps / block at the top level, encoder.* fusion names)
+ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2, "MuseGlimmerAssistantModel": 1}
 
 
 class ConvertError(ValueError):
@@ -198,10 +200,12 @@ def _from_speculators(cfg: dict, cfg_path: Path) -> dict:
 def speculators_config(c: DrafterConfig, verifier: str, verifier_architectures: list[str]) -> dict:
     """config.json of a drafter in speculators' schema (what ``DFlash2DraftModel.from_pretrained``
     reads and vLLM serves); the weights keep their names (the format table's HF names)."""
-    if c.n_swa or c.causal or c.rope_scaling != "none" or c.embedding_scale != 1.0 or c.logit_scale != 1.0 \
-            or c.softcap:
-        raise ConvertError("speculators' DFlash models have no sliding windows, causal blocks, RoPE scaling or "
-                           "logit / embedding scales: this drafter cannot be written in its schema")
+    if c.n_swa or c.causal or c.causal_layers or c.rope_scaling != "none" or c.embedding_scale != 1.0 \
+            or c.logit_scale != 1.0 or c.softcap or c.rope_dims != c.head_dim or c.value_scale != 1.0 \
+            or c.yarn_attn_factor != 1.0:
+        raise ConvertError("speculators' DFlash models have no sliding windows, causal blocks, RoPE scaling, "
+                           "partial rotary, value or logit / embedding scales: this drafter cannot be written "
+                           "in its schema")
     tl = {"model_type": "qwen3", "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
           "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head_kv, "head_dim": c.head_dim,
           "intermediate_size": c.n_ff, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": c.rms_eps,
@@ -234,7 +238,11 @@ def write_speculators(hf_dir: str | os.PathLike, target: str | os.PathLike, out_
     d, out = Path(hf_dir), Path(out_dir)
     raw, cfg_path = _read_config(d)
     t = read_target(target)
-    c, _ = parse_config(raw, cfg_path, t)
+    extra = Parsed()
+    c, _ = parse_config(raw, cfg_path, t, extra)
+    if extra.attention_bias or extra.rope_freqs is not None:
+        raise ConvertError(f"{cfg_path}: attention biases and llama3 / HF-YaRN RoPE factors are not written in "
+                           f"speculators' schema")
     if raw.get("draft_vocab_size") not in (None, t.n_vocab):
         raise ConvertError(f"{cfg_path}: a reduced draft vocabulary is not written in speculators' schema here")
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -248,8 +256,36 @@ def write_speculators(hf_dir: str | os.PathLike, target: str | os.PathLike, out_
     return out
 
 
-def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[DrafterConfig, int]:
-    """config.json (any published schema, speculators' too) -> (DrafterConfig, DFlash version)."""
+@dataclass
+class Parsed:
+    """What a config says beyond the file's keys: q/k/v/o biases, and the RoPE factors tensor."""
+
+    attention_bias: bool = False
+    rope_freqs: np.ndarray | None = None
+
+
+# Fields of published configs that change the forward and that this runtime does not run:
+# refused by name (where a value is given: the one value that is run).
+_UNSUPPORTED = {
+    "attention_sink_bias": False,        # MiMo: per-head sink logits (tensor names unpublished)
+    "mlp_bias": False,
+    "use_qk_norm": True,
+    "attn_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "sliding_window_pattern": None,      # gemma-style int pattern (layer_types is what is read)
+    "hidden_activation": None,           # Gemma-style drafters
+    "attention_chunk_size": None,
+    "no_rope_layers": None,
+    "rope_local_base_freq": None,
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo,
+                 extra: Parsed | None = None) -> tuple[DrafterConfig, int]:
+    """config.json (any published schema, speculators' too) -> (DrafterConfig, DFlash version).
+
+    extra, when given, receives what the file stores as tensors (biases expected, RoPE factors)."""
 
     def fail(field: str, msg: str):
         raise ConvertError(f"{cfg_path}: {field}: {msg}")
@@ -268,10 +304,12 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
     if not isinstance(dc, dict):
         fail("dflash_config", f"{dc!r} is not an object")
 
-    def get(key, default=None, nested_first=True):
-        if nested_first and key in dc:
-            return dc[key]
-        return cfg.get(key, dc.get(key, default))
+    def get(key, default=None):
+        """A DFlash field, nested (dflash_config) or top-level; both present and different: refused."""
+        if key in dc and key in cfg and dc[key] is not None and cfg[key] is not None and dc[key] != cfg[key]:
+            fail(key, f"top level ({cfg[key]!r}) and dflash_config ({dc[key]!r}) disagree")
+        v = dc.get(key)
+        return cfg.get(key, default) if v is None else v
 
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0:
@@ -292,20 +330,27 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         fail("vocab_size", f"{vocab} differs from the target's vocabulary ({target.n_vocab} tokens)")
     if cfg.get("hidden_act", "silu") != "silu":
         fail("hidden_act", f"{cfg['hidden_act']!r} is not supported (silu)")
-    if cfg.get("attention_bias"):
-        fail("attention_bias", "attention biases are not supported by DFlash drafters in llama.cpp")
+    if cfg.get("v_head_dim") not in (None, head_dim):
+        fail("v_head_dim", f"{cfg['v_head_dim']!r} differs from head_dim {head_dim} (not supported)")
+    for where, d_ in (("", cfg), ("dflash_config.", dc)):
+        for k, ok in _UNSUPPORTED.items():
+            if k in d_ and d_[k] is not None and d_[k] != ok:
+                fail(where + k, f"{d_[k]!r} is not supported by this runtime")
+    bias = cfg.get("attention_bias", False)
+    if not isinstance(bias, bool):
+        fail("attention_bias", f"{bias!r} is not a boolean")
     if cfg.get("rope_is_neox_style") is False:
         fail("rope_is_neox_style", "interleaved rope checkpoints are not supported")
 
     top_bs, nested_bs = cfg.get("block_size"), dc.get("block_size")
     if top_bs is not None and nested_bs is not None and top_bs != nested_bs:
         fail("block_size", f"top level ({top_bs}) and dflash_config ({nested_bs}) disagree")
-    block = nested_bs or top_bs or 16
-    if not isinstance(block, int) or block < 2:
+    block = nested_bs if nested_bs is not None else top_bs if top_bs is not None else 16
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         fail("block_size", f"{block!r} is not an integer >= 2")
 
     mask = get("mask_token_id")
-    if not isinstance(mask, int):
+    if isinstance(mask, bool) or not isinstance(mask, int):
         fail("dflash_config.mask_token_id", "missing")
     if not 0 <= mask < target.n_vocab:
         fail("dflash_config.mask_token_id", f"{mask} lies outside the target vocabulary ({target.n_vocab} tokens)")
@@ -321,25 +366,53 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
             fail("dflash_config.target_layers", f"layer {i} is not below the target's last layer "
                                                    f"({target.n_layer} layers; usable 0..{target.n_layer - 2})")
 
+    def num(name: str, v, default, kind=float):
+        """A number from the config (null: the default); anything else is refused by name."""
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            fail(name, f"{v!r} is not {'an integer' if kind is int else 'a number'}")
+        return kind(v)
+
     rp = cfg.get("rope_parameters") or {}
     if not isinstance(rp, dict):
         fail("rope_parameters", f"{rp!r} is not an object")
-    theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    theta = num("rope_theta", cfg.get("rope_theta", rp.get("rope_theta", 10000.0)), 10000.0)
     scaling = cfg.get("rope_scaling") or rp
     if not isinstance(scaling, dict):
         fail("rope_scaling", f"{scaling!r} is not an object")
-    rtype = scaling.get("rope_type", scaling.get("type")) or "default"
-    if rtype not in ("default", "linear", "yarn"):
-        fail("rope_scaling", f"rope type {rtype!r} is not supported (default, linear, yarn)")
-    if rtype != "default" and not (isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 0):
-        fail("rope_scaling.factor", f"{rtype} rope scaling needs a positive factor")
-    if rtype == "yarn" and (scaling.get("mscale_all_dim") or scaling.get("attention_factor") not in (None, 1, 1.0)):
-        fail("rope_scaling", "YaRN with mscale_all_dim or attention_factor is not supported")
+    prf = num("partial_rotary_factor", cfg.get("partial_rotary_factor", scaling.get("partial_rotary_factor")), 1.0)
+    rope_dims = int(head_dim * prf)
+    if not (0 < prf <= 1) or rope_dims < 2 or rope_dims % 2:
+        fail("partial_rotary_factor", f"{prf} gives {rope_dims} rotated dimensions of {head_dim} (need an even "
+                                      f"number >= 2)")
+    backbone = get("backbone_rotary_base")  # (MiMo) a second RoPE base whose use is not published: run only if equal
+    if backbone is not None and backbone != theta:
+        fail("dflash_config.backbone_rotary_base", f"{backbone!r} differs from rope_theta {theta} (not supported)")
+    n_ctx_train = num("max_position_embeddings", cfg.get("max_position_embeddings"), 32768, int)
+    rope_fields, rope_freqs = hf_rope(scaling, theta, head_dim, rope_dims, n_ctx_train, fail)
 
+    # Causality per layer, z-lab's rule: a sliding layer is causal, a full one is not, unless is_causal
+    # (or dflash_config.causal) sets every layer.  Muse-Glimmer's assistant: non-causal, as z-lab's
+    # adapters force it.
+    layer_types = cfg.get("layer_types") or []
+    if layer_types and (not isinstance(layer_types, list) or len(layer_types) != L):
+        fail("layer_types", f"{len(layer_types) if isinstance(layer_types, list) else layer_types!r} entries "
+                            f"for {L} layers")
+    for t in layer_types:
+        if t not in _LAYER_TYPES:
+            fail("layer_types", f"{t!r} is not a layer type this runtime runs ({', '.join(_LAYER_TYPES)})")
     causal = cfg.get("is_causal")
     if causal is None:
-        causal = dc.get("causal", False)
-    layer_types = cfg.get("layer_types") or []
+        causal = dc.get("causal")
+    if causal is None and arch == "MuseGlimmerAssistantModel":
+        causal = False
+    if causal is not None and not isinstance(causal, bool):
+        fail("is_causal", f"{causal!r} is not a boolean")
+    per_layer = [t == "sliding_attention" for t in layer_types] if causal is None else [causal] * L
+    all_causal = bool(per_layer) and all(per_layer)
+    causal_layers = [] if all_causal or not any(per_layer) else per_layer
+
     window = dc.get("swa_window_size") or cfg.get("sliding_window") or 0
     swa: list[bool] = []
     if dc.get("use_swa"):
@@ -350,39 +423,25 @@ def parse_config(cfg: dict, cfg_path: Path, target: TargetInfo) -> tuple[Drafter
         swa = []
     if swa and not (isinstance(window, int) and window > 0):
         fail("sliding_window", "sliding-window layers need a positive window")
-    if layer_types and len(layer_types) != L:
-        fail("layer_types", f"{len(layer_types)} entries for {L} layers")
 
-    def num(name: str, v, default, kind=float):
-        """A number from the config (null: the default); anything else is refused by name."""
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            fail(name, f"{v!r} is not {'an integer' if kind is int else 'a number'}")
-        return kind(v)
-
-    softcap = dc.get("final_logit_softcapping", cfg.get("final_logit_softcapping")) or 0.0
+    vscale = num("dflash_config.attention_value_scale", get("attention_value_scale"), 1.0)
+    if vscale == 0.0:
+        fail("dflash_config.attention_value_scale", "0 (upstream reads 0 as unset)")
     out = DrafterConfig(
         n_embd=H, n_layer=L, n_head=n_head, n_head_kv=n_kv, head_dim=head_dim, n_ff=cfg["intermediate_size"],
-        target_layers=list(ids), block_size=block, mask_token_id=mask, rope_theta=num("rope_theta", theta, 10000.0),
-        rms_eps=num("rms_norm_eps", cfg.get("rms_norm_eps"), 1e-6), causal=bool(causal),
-        n_swa=num("sliding_window", window, 0, int) if swa else 0, swa_layers=swa,
-        embedding_scale=num("dflash_config.input_embedding_scale", dc.get("input_embedding_scale"), 1.0),
-        logit_scale=num("dflash_config.output_multiplier", dc.get("output_multiplier"), 1.0),
-        softcap=num("final_logit_softcapping", softcap, 0.0),
-        n_ctx_train=num("max_position_embeddings", cfg.get("max_position_embeddings"), 32768, int),
-        rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [], n_vocab=target.n_vocab,
-        sample_from_anchor=bool(dc.get("sample_from_anchor", False)),
+        target_layers=list(ids), block_size=block, mask_token_id=mask, rope_theta=theta, rope_dims=rope_dims,
+        rms_eps=num("rms_norm_eps", cfg.get("rms_norm_eps"), 1e-6), causal=all_causal, causal_layers=causal_layers,
+        value_scale=vscale, n_swa=num("sliding_window", window, 0, int) if swa else 0, swa_layers=swa,
+        embedding_scale=num("input_embedding_scale", get("input_embedding_scale"), 1.0),
+        logit_scale=num("output_multiplier", get("output_multiplier"), 1.0),
+        softcap=num("final_logit_softcapping", get("final_logit_softcapping"), 0.0) or 0.0,
+        n_ctx_train=n_ctx_train, rope_sections=[head_dim // 2, 0, 0, 0] if target.mrope else [],
+        n_vocab=target.n_vocab, sample_from_anchor=bool(dc.get("sample_from_anchor", False)),
     )
-    if rtype != "default":
-        out.rope_scaling = rtype
-        out.rope_factor = num("rope_scaling.factor", scaling.get("factor"), None)
-        if out.rope_factor is None:
-            fail("rope_scaling.factor", "missing")
-        out.rope_orig_ctx = num("rope_scaling.original_max_position_embeddings",
-                                scaling.get("original_max_position_embeddings") or None, out.n_ctx_train, int)
-        out.yarn_beta_fast = num("rope_scaling.beta_fast", scaling.get("beta_fast"), 32.0)
-        out.yarn_beta_slow = num("rope_scaling.beta_slow", scaling.get("beta_slow"), 1.0)
+    for k, v in rope_fields.items():
+        setattr(out, k, v)
+    if extra is not None:
+        extra.attention_bias, extra.rope_freqs = bias, rope_freqs
 
     if version == 2:
         for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
@@ -425,7 +484,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     d = Path(hf_dir)
     cfg, cfg_path = _read_config(d)
     target = read_target(target_gguf)
-    c, version = parse_config(cfg, cfg_path, target)
+    extra_cfg = Parsed()
+    c, version = parse_config(cfg, cfg_path, target, extra_cfg)
     try:
         tensors = open_checkpoint(d)
     except SafetensorsError as e:
@@ -450,8 +510,17 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
             raise ConvertError(f"{t.file}: unexpected tensor '{printable(name)}' for a {cfg['architectures'][0]}")
         if g in mapped:
             raise ConvertError(f"{t.file}: tensor '{name}' duplicates '{mapped[g].name}'")
+        if g.endswith(".bias") and not extra_cfg.attention_bias:
+            raise ConvertError(f"{t.file}: tensor '{printable(name)}' is a bias but config.json says "
+                               f"attention_bias: false")
         mapped[g] = t
     want = table().required(c)
+    if extra_cfg.attention_bias:  # q/k/v/o biases in every layer, after the layer's weights (file order)
+        want = {n: s_ for n, s_ in want.items()}
+        for il in range(c.n_layer):
+            for t in table().layer:
+                if t.name.endswith(".bias"):
+                    want[t.gguf_name(il)] = t.shape(c)
     missing = [n for n in want if n not in mapped]
     if missing:
         raise ConvertError(f"{d}: missing tensors: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else ""))
@@ -463,6 +532,9 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
                                f"({field})")
     order = list(want)  # deterministic, upstream-like order
     srcs = [TensorSource(n, want[n], mapped[n].load, mapped[n].load_rows) for n in order] + extra
+    if extra_cfg.rope_freqs is not None:  # computed from the config, as llama.cpp's LlamaModel does
+        f = extra_cfg.rope_freqs
+        srcs.append(TensorSource("rope_freqs.weight", f.shape, lambda: f))
     out = Path(outfile)
     tmp = out.with_name(out.name + ".part")
     try:

@@ -55,7 +55,7 @@ def block_mask(anchors: torch.Tensor, n_ctx: int, block: int, cfg: DrafterConfig
     kpos = torch.cat([torch.arange(n_ctx), qpos])
     vis = torch.cat([ctx_vis, blk_vis], dim=1)
     swa = cfg.is_swa(il)
-    if cfg.causal:
+    if cfg.is_causal(il):  # (per layer: a causal pattern)
         vis &= torch.cat([torch.ones_like(ctx_vis), kpos[None, n_ctx:] <= qpos[:, None]], dim=1)
     if swa:
         vis &= (qpos[:, None] - kpos[None, :]).abs() < cfg.n_swa

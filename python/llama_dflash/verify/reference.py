@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,58 +29,66 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_neox(x: torch.Tensor, pos: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
-    """Rotate-half RoPE over the full head dim, with linear or YaRN scaling. x: [T, heads, d], pos: [T].
+def rope_neox(x: torch.Tensor, pos: torch.Tensor, cfg: DrafterConfig,
+              freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate-half RoPE over the first cfg.rope_dims dims of each head (the rest pass), with linear or
+    YaRN scaling and per-dimension frequency factors. x: [T, heads, d], pos: [T].
 
-    YaRN (as llama.cpp applies it): per frequency, a ramp between the interpolated angle
-    (pos * freq / factor) and the original one over the band set by beta_fast / beta_slow and
-    the original context length, and a magnitude factor 1 + 0.1 ln(factor).
+    As ggml_rope_ext computes it: frequency i is theta^(-2i/n) / freq_factors[i] (llama3 scaling, or
+    a HF YaRN the converter turned into factors); YaRN ramps per frequency between the interpolated
+    angle (pos * freq / factor) and the original one over the band set by beta_fast / beta_slow and
+    the original context length, with a magnitude factor 1 + 0.1 ln(factor); cos / sin are scaled by
+    yarn_attn_factor in every mode.
     """
-    d = x.shape[-1]
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    n = cfg.rope_dims
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, n, 2, dtype=torch.float64) / n))
+    if freq_factors is not None:
+        inv = inv / freq_factors[: n // 2].to(torch.float64)
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
-    mscale = 1.0
+    mscale = cfg.yarn_attn_factor
     if cfg.rope_scaling in ("linear", "yarn"):
         interp = ang / cfg.rope_factor
         if cfg.rope_scaling == "yarn":
             def corr_dim(n_rot: float) -> float:
-                return d * math.log(cfg.rope_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+                return n * math.log(cfg.rope_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
             lo = max(0.0, math.floor(corr_dim(cfg.yarn_beta_fast)))
-            hi = min(d - 1.0, math.ceil(corr_dim(cfg.yarn_beta_slow)))
-            i = torch.arange(d // 2, dtype=torch.float64)
-            ramp = 1.0 - torch.clamp((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
+            hi = min(n - 1.0, math.ceil(corr_dim(cfg.yarn_beta_slow)))
+            i = torch.arange(n // 2, dtype=torch.float64)
+            ramp = (1.0 - torch.clamp((i - lo) / max(0.001, hi - lo), 0.0, 1.0)) * cfg.yarn_ext_factor
             ang = interp * (1 - ramp) + ang * ramp
-            mscale = cfg.yarn_attn_factor * (1.0 + 0.1 * math.log(cfg.rope_factor))
+            mscale *= 1.0 + 0.1 * math.log(cfg.rope_factor)
         else:
             ang = interp
     cos = (torch.cat([ang.cos(), ang.cos()], -1) * mscale).to(x.dtype)[:, None, :]
     sin = (torch.cat([ang.sin(), ang.sin()], -1) * mscale).to(x.dtype)[:, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    xr, rest = x[..., :n], x[..., n:]
+    x1, x2 = xr[..., : n // 2], xr[..., n // 2 :]
+    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, rest], -1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, bias: bool = False, rope_freqs: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.rope_freqs = rope_freqs
         E, d = cfg.n_embd, cfg.head_dim
-        self.q_proj = nn.Linear(E, cfg.n_head * d, bias=False)
-        self.k_proj = nn.Linear(E, cfg.n_head_kv * d, bias=False)
-        self.v_proj = nn.Linear(E, cfg.n_head_kv * d, bias=False)
-        self.o_proj = nn.Linear(cfg.n_head * d, E, bias=False)
+        self.q_proj = nn.Linear(E, cfg.n_head * d, bias=bias)
+        self.k_proj = nn.Linear(E, cfg.n_head_kv * d, bias=bias)
+        self.v_proj = nn.Linear(E, cfg.n_head_kv * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_head * d, E, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_eps)
         self.k_norm = RMSNorm(d, cfg.rms_eps)
 
     def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         k = self.k_norm(self.k_proj(x).view(-1, c.n_head_kv, c.head_dim))
-        return rope_neox(k, pos, c), self.v_proj(x).view(-1, c.n_head_kv, c.head_dim)
+        return rope_neox(k, pos, c, self.rope_freqs), self.v_proj(x).view(-1, c.n_head_kv, c.head_dim)
 
     def forward(self, u: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor, pos: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         c = self.cfg
-        q = rope_neox(self.q_norm(self.q_proj(u).view(-1, c.n_head, c.head_dim)), pos, c)
+        q = rope_neox(self.q_norm(self.q_proj(u).view(-1, c.n_head, c.head_dim)), pos, c, self.rope_freqs)
         kc, vc = self.kv(ctx, ctx_pos)
         kb, vb = self.kv(u, pos)
         k = torch.cat([kc, kb], 0).repeat_interleave(c.n_head // c.n_head_kv, dim=1)
@@ -87,7 +96,7 @@ class Attention(nn.Module):
         scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim**0.5
         if mask is not None:
             scores = scores + mask
-        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v) * c.value_scale  # (scaling V)
         return self.o_proj(out.reshape(-1, c.n_head * c.head_dim))
 
 
@@ -136,10 +145,10 @@ class GroupedDynamicConv(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, bias: bool = False, rope_freqs: torch.Tensor | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, bias, rope_freqs)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         self.mlp = MLP(cfg)
         if cfg.is_v2:
@@ -207,25 +216,29 @@ class CandidateSelector(nn.Module):
 class DFlashReference(nn.Module):
     """fc + hidden_norm -> L x [pre-norm, KV-injected block attention, SwiGLU] -> norm -> target head."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, attention_bias: bool = False,
+                 rope_freqs: torch.Tensor | None = None) -> None:
+        """attention_bias: q/k/v/o biases in every layer (gpt-oss drafters); rope_freqs: the file's
+        per-frequency RoPE factors (rope_freqs.weight), a buffer shared by the layers."""
         super().__init__()
         self.cfg = cfg
+        self.rope_freqs = None if rope_freqs is None else torch.tensor(np.array(rope_freqs), dtype=torch.float32)
         self.fc = nn.Linear(cfg.n_embd * len(cfg.target_layers), cfg.n_embd, bias=False)
         self.hidden_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Layer(cfg, attention_bias, self.rope_freqs) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
         if cfg.is_v2:
             self.candidate_selector = CandidateSelector(cfg)
 
     def _mask(self, n_ctx: int, n_block: int, il: int) -> torch.Tensor | None:
         c = self.cfg
-        swa = c.is_swa(il)
-        if not c.causal and not swa:
+        swa, causal = c.is_swa(il), c.is_causal(il)
+        if not causal and not swa:
             return None
         qp = torch.arange(n_ctx, n_ctx + n_block)[:, None]
         kp = torch.arange(n_ctx + n_block)[None, :]
         vis = torch.ones(n_block, n_ctx + n_block, dtype=torch.bool)
-        if c.causal:
+        if causal:
             vis &= kp <= qp
         if swa:
             vis &= (qp - kp).abs() < c.n_swa
@@ -276,7 +289,8 @@ class DFlashReference(nn.Module):
         tensors = read_tensors(path)
         if cfg.is_v2:
             cfg.n_vocab = tensors["selector_predecessor.weight"].shape[0]
-        model = cls(cfg)
+        freqs = tensors.pop("rope_freqs.weight", None)
+        model = cls(cfg, attention_bias="blk.0.attn_q.bias" in tensors, rope_freqs=freqs)
         head, d2t = tensors.pop("output.weight", None), tensors.pop("d2t", None)
         model.load_state_dict(gguf_to_hf(tensors), strict=True)
         if head is not None:
