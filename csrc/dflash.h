@@ -75,7 +75,7 @@ struct dflash_drafter_info {
     float   yarn_beta_fast;
     float   yarn_beta_slow;
     int32_t causal;           /* block attention causal (every layer, unless the file gives a pattern) */
-    int32_t causal_layers[64]; /* 1: layer i's block attention is causal (all = causal without a pattern) */
+    int32_t causal_layers[DFLASH_MAX_LAYERS]; /* 1: layer i's block attention is causal (all = causal without a pattern) */
     float   value_scale;      /* attention output scaled by this (MiMo's attention_value_scale) */
     int32_t n_swa;            /* sliding window (0 = none) */
     int32_t swa_layers[DFLASH_MAX_LAYERS]; /* 1: layer i uses the window (all layers when the file gives no pattern) */

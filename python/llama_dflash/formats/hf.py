@@ -540,8 +540,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, target_gguf: str | os.PathLike
     try:
         n = write_drafter(tmp, c, srcs, target.write_vocab, outtype=outtype,
                           progress=_progress_bar(f"converting to {outtype}") if progress else None)
-        try:  # what the loader would refuse is refused here, with its reason
-            check_drafter(tmp)
+        try:  # what the loader would refuse is refused here, with its reason (a GGUF target: against it too)
+            check_drafter(tmp, target.path if target.path.is_file() else None)
         except DFlashError as e:
             raise ConvertError(f"{cfg_path}: the converted drafter would not load: {e}") from None
         tmp.replace(out)
