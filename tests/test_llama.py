@@ -286,6 +286,34 @@ def test_prompt_cache_hit_keeps_speculating(artifacts):
     base.close()
 
 
+def test_save_state_and_load_state_round_trip_keeps_speculating(pair):
+    """save_state after a completion, another completion, load_state: the context holds what it held
+    (its tokens), and the next completions -- the other prompt again (whose KV the loaded state replaced:
+    nothing of it may be reused) and one that continues the saved text -- speculate and equal
+    llama_cpp.Llama's doing the same."""
+    base, spec = pair
+    # (as many tokens each: the loaded KV is as long as what the engine left there, so only being told of
+    # the load keeps the engine from reusing it as the other prompt's)
+    saved_prompt, other = "1, 2, 3, 4,", "5, 6, 7, 8,"
+    assert len(spec.tokenize(saved_prompt.encode())) == len(spec.tokenize(other.encode()))
+    texts: dict[str, list[str]] = {}
+    for llm in (base, spec):
+        got = [llm.create_completion(saved_prompt, max_tokens=16, temperature=0.0)["choices"][0]["text"]]
+        state = llm.save_state()
+        saved = llm.input_ids[:llm.n_tokens].tolist()
+        got.append(llm.create_completion(other, max_tokens=16, temperature=0.0)["choices"][0]["text"])
+        llm.load_state(state)
+        assert llm.input_ids[:llm.n_tokens].tolist() == saved
+        for p in (other, saved_prompt + got[0]):
+            got.append(llm.create_completion(p, max_tokens=16, temperature=0.0)["choices"][0]["text"])
+            if llm is spec:
+                st = spec.last_speculative_stats
+                assert st.fallback_reason == "" and st.drafted > 0, st
+        texts["spec" if llm is spec else "base"] = got
+    assert texts["spec"] == texts["base"]
+    assert texts["spec"][2] == texts["spec"][1]  # the other prompt: its completion again
+
+
 def test_eval_then_generate_keeps_speculating(pair):
     """The common pattern -- eval() a prefix, then generate from it -- speculates: the loop prefills
     the evaluated tokens itself (their features were not captured) and the output is the base's."""
