@@ -229,10 +229,13 @@ def test_cost_curves_shaped_as_no_machine_times_are_implausible():
     assert not lib.dflash_costs_plausible(_costs([1.0], [-1.0]))
 
 
-def test_a_cached_cost_model_timed_under_load_is_measured_again(artifacts, cache):
+def test_a_cached_cost_model_timed_under_load_is_measured_again(artifacts, cache, monkeypatch):
     """A cached entry whose curves are implausible is measured again as the engine starts; the
     calibration saved beside it is kept."""
     a = artifacts["llama"]
+    calls = []
+    real = policy.measure
+    monkeypatch.setattr(policy, "measure", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
         n = g.max_draft_len
         key = policy.cost_key(a["target"], a["drafter"], g.n_threads, "cpu", "default")
@@ -244,7 +247,8 @@ def test_a_cached_cost_model_timed_under_load_is_measured_again(artifacts, cache
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
         g._core.ensure_costs()
         got = g.cost_model()
-    assert got["t_verify"] != bad and lib.dflash_costs_plausible(_costs(got["t_verify"], got["t_draft"]))
+    # (measured: whether this machine's load let the rounds reach a plausible shape is not the point here)
+    assert len(calls) == 1 and got["t_verify"] != bad
     assert got["t_verify"][0] < 0.5  # (a tiny model: milliseconds)
     assert got["reached"] == reached and got["accepted"] == accepted
 
