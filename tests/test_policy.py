@@ -106,6 +106,18 @@ def test_adaptive_is_exact_in_exact_mode(cache):
 
 def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
     a = artifacts["llama"]
+    measured = []
+    real = policy.measure
+
+    def measure(engine, *args):
+        # then the steps time what was measured (a modelled clock): on the live clock one preempted draft of
+        # the tiny target's sub-millisecond ones bent the saved curve into a shape the next load measured again
+        real(engine, *args)
+        measured.append(ffi.new("struct dflash_costs *"))
+        lib.dflash_engine_get_costs(engine, measured[-1])
+        lib.dflash_engine_set_clock(engine, measured[-1])
+
+    monkeypatch.setattr(policy, "measure", measure)
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512) as g:
         assert g.cost_model() is None  # nothing measured before the first adaptive generation
         g.generate("hello", 8, draft_len=2)  # a fixed-length run measures nothing
@@ -126,6 +138,7 @@ def test_cost_model_is_measured_once_and_reused(artifacts, cache, monkeypatch):
         assert c >= 1.0  # (never below plain decoding: a step that would not pay is taken plainly)
         with pytest.raises(DFlashError, match="accepted counts"):
             g.ceiling([n + 1])
+    assert len(measured) == 1
     stored = json.loads((cache / "costs.json").read_text())  # written at close, refined by the steps
     assert len(stored) == 1
 
