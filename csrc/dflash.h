@@ -508,6 +508,15 @@ bool    dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * o
 double  dflash_engine_step_cost(const dflash_engine * e, int32_t n_draft, int32_t k);
 void    dflash_engine_set_calibration(dflash_engine * e, const struct dflash_calibration * cal);
 void    dflash_engine_get_calibration(const dflash_engine * e, struct dflash_calibration * out);
+/* A modelled clock, for tests: each step's verify and draft are timed not on the live clock but as
+ * `machine` prices them (a verify batch of k rows: t_verify at k, a draft of n tokens: t_draft at n,
+ * linear beyond each curve's last two points; no draft curve: drafts take no time), what the policy
+ * learns from and the stats report as t_draft_s / t_verify_s.  Every adaptive decision is then a
+ * function of the drafts alone.  A machine that differs from the cost model by a factor exercises the
+ * speed factor as drift would.  NULL or no verify curve: the live clock (the default).  Either way
+ * what the policy learnt in the old clock's seconds (speed factors, the rate achieved) is dropped;
+ * the cost model is kept (set it after). */
+void    dflash_engine_set_clock(dflash_engine * e, const struct dflash_costs * machine);
 
 /* The engine's adaptive steps replayed on dense traces, without a model: for every anchor
  * position j of a fixed output (traces one after another, lens[t] positions each), accepted[j]

@@ -67,6 +67,7 @@ struct dflash_engine {
     int32_t q_cand[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // rejection: the drafter's proposal, n x k candidates
     float q_prob[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // and their q
     struct dflash_policy policy;           // adaptive draft lengths: the cost model and calibration
+    struct dflash_costs clock;             // a modelled clock's machine (dflash_engine_set_clock; n_rows 0: live)
     int32_t seq;               // the target sequence this engine drives
     bool shared;               // on a context shared with other engines (dflash_engine_new_seq)
     dflash_state * st;         // the drafter state: the drafter's own, or (shared) this engine's
@@ -593,7 +594,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     pl->adaptive = adaptive;
     pl->conf = conf;
     pl->anchor_margin = e->anchor_margin;
-    pl->t_draft = dflash_now() - ta;
+    pl->t_draft = e->clock.n_rows > 0 ? dflash_costs_t_draft(&e->clock, n_made) : dflash_now() - ta;
     return 1;
 }
 
@@ -674,7 +675,8 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     e->n_past += n_keep;
     e->n_gen += n_out;
 
-    const double t_v = t_verify + (tc - tb);  // the decode and this engine's accept loop
+    // the decode and this engine's accept loop (a modelled clock: the batch's price on its machine)
+    const double t_v = e->clock.n_rows > 0 ? dflash_costs_t_verify(&e->clock, rows_total) : t_verify + (tc - tb);
     e->joint_rows = rows_total;
     e->own_rows = n_drafted + 1;
     // (greedy / match: the slot past the cut would have been kept iff it equals the target's token)
@@ -957,17 +959,29 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     return 0;
 }
 
-void dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * costs) {
+// The curves that are usable: positive finite verify times, non-negative finite draft times (else none).
+static struct dflash_costs usable_costs(const struct dflash_costs * costs) {
     struct dflash_costs c = *costs;
     if (c.n_rows < 0 || c.n_rows > DFLASH_MAX_DRAFT + 1) c.n_rows = 0;
     if (c.n_draft < 0 || c.n_draft > DFLASH_MAX_DRAFT) c.n_draft = 0;
     for (int32_t k = 0; k < c.n_rows; k++) {
-        if (!(c.t_verify[k] > 0.0) || !isfinite(c.t_verify[k])) c.n_rows = 0;  // unusable: the defaults
+        if (!(c.t_verify[k] > 0.0) || !isfinite(c.t_verify[k])) c.n_rows = 0;
     }
     for (int32_t n = 0; n < c.n_draft; n++) {
         if (!(c.t_draft[n] >= 0.0) || !isfinite(c.t_draft[n])) c.n_draft = 0;
     }
+    return c;
+}
+
+void dflash_engine_set_costs(dflash_engine * e, const struct dflash_costs * costs) {
+    const struct dflash_costs c = usable_costs(costs);  // (unusable: the defaults)
     dflash_policy_set_costs(&e->policy, &c);
+}
+
+void dflash_engine_set_clock(dflash_engine * e, const struct dflash_costs * machine) {
+    memset(&e->clock, 0, sizeof(e->clock));
+    if (machine) e->clock = usable_costs(machine);  // (no usable verify curve: the live clock)
+    dflash_policy_set_clock(&e->policy);
 }
 
 bool dflash_engine_get_costs(const dflash_engine * e, struct dflash_costs * out) {

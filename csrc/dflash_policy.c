@@ -90,6 +90,14 @@ void dflash_policy_set_costs(struct dflash_policy * p, const struct dflash_costs
     p->n_valued[0] = p->n_valued[1] = 0;  // (gains priced on the old curves)
 }
 
+void dflash_policy_set_clock(struct dflash_policy * p) {
+    p->speed = 1.0;
+    p->joint_speed = 0.0;
+    p->rate = 0.0;
+    p->t_draft_ext = 0.0;
+    p->t_probe = 0.0;
+}
+
 // No size more than twice a larger one, nor more than twice per row a smaller one (plus slack).
 static bool curve_plausible(const double * t, int32_t n) {
     const double slack = 5e-4;
@@ -118,6 +126,15 @@ static double curve(const double * t, int32_t n, int32_t k) {
     if (k <= n) return t[k - 1];
     if (n == 1) return t[0] * k;
     return t[n - 1] + (t[n - 1] - t[n - 2]) * (k - n);
+}
+
+double dflash_costs_t_verify(const struct dflash_costs * c, int32_t k) {
+    return c->n_rows >= 1 ? curve(c->t_verify, c->n_rows, k) : 0.0;
+}
+
+// (no draft curve: a draft source whose calls cost nothing here)
+double dflash_costs_t_draft(const struct dflash_costs * c, int32_t n) {
+    return n >= 1 && c->n_draft >= 1 ? curve(c->t_draft, c->n_draft, n) : 0.0;
 }
 
 double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k) {
@@ -516,10 +533,6 @@ void dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash
     }
 }
 
-// A draft of n tokens on the given curve (none given: a draft source whose calls cost nothing here).
-static double draft_time(const struct dflash_costs * c, int32_t n) {
-    return c->n_draft >= 1 ? curve(c->t_draft, c->n_draft, n) : 0.0;
-}
 
 int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dflash_calibration * cal, int32_t n_max,
                              int32_t n_traces, const int32_t * lens, const int32_t * accepted, const float * conf,
@@ -598,8 +611,8 @@ int32_t dflash_policy_replay(const struct dflash_costs * costs, const struct dfl
                 // the machine's times are the given curves; the policy's model learns from them (timing
                 // with its own, which moves towards what it observes, would feed the injection back
                 // into the draft curve step after step)
-                const double td = n > 0 ? draft_time(costs, n) + injected * t_inject_row : 0.0;
-                const double tv = curve(costs->t_verify, costs->n_rows, k + 1);
+                const double td = n > 0 ? dflash_costs_t_draft(costs, n) + injected * t_inject_row : 0.0;
+                const double tv = dflash_costs_t_verify(costs, k + 1);
                 dflash_policy_observe(&p, adaptive, n, c, k, got, got + 1, td, injected, tv, k + 1,
                                       got == k && k < n ? a > k : -1);
                 pending = (n > 0 ? 0 : pending) + got + 1;

@@ -67,6 +67,14 @@ void   dflash_policy_begin(struct dflash_policy * p, bool blind);
 void   dflash_policy_set_calibration(struct dflash_policy * p, const struct dflash_calibration * cal);
 // New cost curves (seconds at speed 1): what was learnt in the old ones' terms is dropped.
 void   dflash_policy_set_costs(struct dflash_policy * p, const struct dflash_costs * costs);
+// A verify batch of k rows / a draft of n tokens on the given curves (linear beyond their last two
+// points; no draft curve: 0), at speed 1.
+double dflash_costs_t_verify(const struct dflash_costs * c, int32_t k);
+double dflash_costs_t_draft(const struct dflash_costs * c, int32_t n);
+// Another clock (dflash_engine_set_clock): what was learnt in the old one's seconds -- the speed
+// factors, the rate achieved, a draft source's and a probe's draft times -- is dropped (the curves are
+// kept: set new ones after).
+void   dflash_policy_set_clock(struct dflash_policy * p);
 // Seconds of a verify batch of k rows / a draft of n tokens, as the model predicts them now.
 double dflash_policy_t_verify(const struct dflash_policy * p, int32_t k);
 double dflash_policy_t_draft(const struct dflash_policy * p, int32_t n);

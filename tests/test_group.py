@@ -122,14 +122,19 @@ def test_default_mode_serves_every_request(artifacts, arch):
                 if i == 2:
                     return i
 
-        calls = [stream, logprobs, stops_early] * 2 + [lambda v: _text(v, "x y z", temperature=0.7, seed=3)]
+        def sampled(v):
+            r = v.create_completion("x y z", max_tokens=32, temperature=0.7, seed=3)
+            return r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"], r["choices"][0]["text"]
+
+        calls = [stream, logprobs, stops_early] * 2 + [sampled]  # (7 requests, 2 slots: most wait for one)
         got = [r for r, _ in _concurrently(llm, calls)]
         for r in got[0::3][:2]:
             assert r[1] in ("length", "stop") and r[0]
         for lp, n in got[1::3][:2]:
             assert len(lp) == n and all(np.isfinite(x) and x <= 0 for x in lp)
         assert got[2] == got[5] == 2
-        assert isinstance(got[6], str)
+        finish, n, _ = got[6]  # whole: its 32 tokens, or ended by the model
+        assert (finish == "length" and n == 32) or (finish == "stop" and n < 32), got[6]
         assert llm._group.load == (0, 0)  # every slot free again
     finally:
         llm.close()
@@ -166,9 +171,13 @@ def test_a_model_without_a_drafter_serves_concurrently(artifacts):
     a = artifacts["llama"]
     llm = llama_dflash.Llama(a["target"], n_ctx=256, verbose=False, parallel=3)
     try:
-        got = _concurrently(llm, [lambda v, i=i: _text(v, f"w{i} w{i}", max_tokens=10, temperature=0.0)
+        got = _concurrently(llm, [lambda v, i=i: v.create_completion(f"w{i} w{i}", max_tokens=10, temperature=0.0)
                                   for i in range(6)])
-        assert all(isinstance(t, str) for t, _ in got)
+        for r, st in got:  # each whole, in plain steps
+            c = r["choices"][0]
+            assert (c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 10) or \
+                (c["finish_reason"] == "stop" and r["usage"]["completion_tokens"] < 10), r
+            assert st.drafted == 0 and sum(st.lengths[1:]) == 0, st
         assert llm.joint_stats["joint_sequences"] > llm.joint_stats["joint_steps"] > 0
         assert llm.draft_n_max == 0
     finally:

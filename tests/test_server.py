@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx", reason="server tests need the server extras (scripts/setup.sh --test)")
@@ -374,8 +375,9 @@ def test_full_queue_is_503_and_timeout_ends_a_request(artifacts):
             else:
                 c = r.json()["choices"][0]
                 assert c["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] < 4000
-        m = httpx.get(base + "/metrics").text
-        assert 'outcome="timed_out"} 0' not in m and 'outcome="rejected_busy"} 0' not in m
+        # every request served timed out (none could reach the context's end in 0.5 s), every other was refused
+        o = _outcomes(base)
+        assert o["rejected_busy"] == codes.count(503) and o["timed_out"] == codes.count(200), (o, codes)
 
 
 def test_client_disconnect_mid_stream_then_new_request(server):
@@ -516,3 +518,117 @@ def test_fuzzed_bodies_get_an_answer_never_a_500(server):
             assert httpx.get(server["base"] + "/v1/models", timeout=60).status_code == 200
     print(f"\nHTTP fuzz: 100 bodies, statuses {dict(sorted(statuses.items()))}")
     assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if k >= 400) > 0
+
+
+# -- a server with an API key, a body limit and several models ------------------------------------
+
+KEY = {"authorization": "Bearer sesame"}
+
+
+@pytest.fixture(scope="module")
+def guarded(artifacts):
+    """Three models (a llama target with its drafter, a qwen2 one with its own, the llama target for
+    embeddings), an API key and a 4 KiB body limit."""
+    import llama_cpp
+
+    from llama_dflash.api.server import DFlashModelSettings
+
+    a, b = artifacts["llama"], artifacts["qwen2"]
+    common = dict(n_ctx=256, n_threads=2, verbose=False)
+    models = [DFlashModelSettings(model=a["target"], model_alias="tiny", draft_model_path=a["drafter"],
+                                  speculation="on", **common),
+              DFlashModelSettings(model=b["target"], model_alias="other", draft_model_path=b["drafter"],
+                                  speculation="on", **common),
+              DFlashModelSettings(model=a["target"], model_alias="embed", embedding=True, **common)]
+    plain = {"tiny": llama_cpp.Llama(a["target"], **common), "other": llama_cpp.Llama(b["target"], **common)}
+    with _serving(models, api_key="sesame", max_body_bytes=4096) as base:
+        yield {"base": base, "plain": plain, "target": a["target"]}
+    for m in plain.values():
+        m.close()
+
+
+def test_an_api_key_guards_every_route_but_health(guarded):
+    base = guarded["base"]
+    body = {"prompt": "Hello", "max_tokens": 2, "model": "tiny"}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sesame"}, {"x-api-key": "sesame"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("POST", "/v1/embeddings"), ("GET", "/metrics"), ("GET", "/extras/speculative_stats")):
+            r = httpx.request(method, base + path, json=body if method == "POST" else None, headers=headers,
+                              timeout=600)
+            assert r.status_code == 401, (headers, path, r.text)
+            assert r.json()["error"]["type"] == "authentication_error", r.text
+    assert httpx.get(base + "/v1/models", headers=KEY, timeout=60).status_code == 200
+    r = httpx.post(base + "/v1/completions", json=body, headers=KEY, timeout=600)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    # /health needs no key: a load balancer's probe
+    r = httpx.get(base + "/health", timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "ok", "queue_waiting": 0, "requests_running": 0}, r.text
+
+
+def test_each_request_is_served_by_the_model_it_names(guarded):
+    """Requests name their model (an alias the server lists): each answer is that model's (plain
+    llama-cpp-python's on the same target), switching back and forth; an unknown name gets the first."""
+    base, plain = guarded["base"], guarded["plain"]
+    assert [m["id"] for m in httpx.get(base + "/v1/models", headers=KEY).json()["data"]] == ["tiny", "other", "embed"]
+    want = {name: llm.create_completion("The number 7 is", max_tokens=8, temperature=0.0,
+                                        repeat_penalty=REPEAT)["choices"][0]["text"] for name, llm in plain.items()}
+    assert want["tiny"] != want["other"]  # (two random targets: the answers tell which model spoke)
+    for name in ("tiny", "other", "tiny", "other", "no-such-model"):
+        r = httpx.post(base + "/v1/completions", json={"prompt": "The number 7 is", "max_tokens": 8,
+                                                       "temperature": 0.0, "model": name}, headers=KEY, timeout=600)
+        assert r.status_code == 200, r.text
+        served = name if name in want else "tiny"
+        assert r.json()["choices"][0]["text"] == want[served], name
+        stats = httpx.get(base + "/extras/speculative_stats", headers=KEY).json()
+        assert stats["model"] == served and stats["last"]["drafted"] > 0, stats
+
+
+def test_embeddings_over_http(guarded):
+    """/v1/embeddings on a model loaded with embedding=True: what llama-cpp-python computes for the
+    same input (a string, or a list: one entry per string, as llama-cpp-python batches them)."""
+    import llama_cpp
+
+    inputs = ("hello world", ["hello world", "the moon"])
+    ref = llama_cpp.Llama(guarded["target"], n_ctx=256, n_threads=2, verbose=False, embedding=True)
+    try:
+        want = [[d["embedding"] for d in ref.create_embedding(x)["data"]] for x in inputs]
+    finally:
+        ref.close()
+    for x, w in zip(inputs, want, strict=True):
+        r = httpx.post(guarded["base"] + "/v1/embeddings", json={"input": x, "model": "embed"}, headers=KEY,
+                       timeout=600)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["object"] == "list" and [d["index"] for d in got["data"]] == list(range(len(w)))
+        assert got["usage"]["prompt_tokens"] > 0
+        for d, e in zip(got["data"], w, strict=True):
+            assert np.asarray(d["embedding"]).shape == np.asarray(e).shape  # (this target pools nothing: per token)
+            assert np.allclose(d["embedding"], e, rtol=1e-5, atol=1e-5)
+
+
+def test_bodies_past_max_body_bytes_get_413(guarded):
+    """A body larger than max_body_bytes is refused with 413 whether it declares its length or is sent
+    in chunks; the server answers the next request."""
+    base = guarded["base"]
+    big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
+    r = httpx.post(base + "/v1/completions", content=big, headers={**KEY, "content-type": "application/json"},
+                   timeout=600)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+
+    def chunks():
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+
+    r = httpx.post(base + "/v1/completions", content=chunks(), headers={**KEY, "content-type": "application/json"},
+                   timeout=600)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+    fits = json.dumps({"prompt": "Hello", "max_tokens": 1, "model": "tiny", "user": "u" * 3500}).encode()
+    assert 3500 < len(fits) < 4096
+    r = httpx.post(base + "/v1/completions", content=fits, headers={**KEY, "content-type": "application/json"},
+                   timeout=600)
+    assert r.status_code == 200, r.text
+
+
+def test_health(server):
+    r = httpx.get(server["base"] + "/health", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text

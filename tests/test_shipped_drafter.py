@@ -47,11 +47,26 @@ def test_shipped_drafter_accepts_on_held_out_prompts_and_keeps_greedy_output(gen
     assert min(taus) > 1.15 and sum(taus) / 3 > 1.3  # bench: tau 1.6 at n = 7 on 10 problems; random ~1.0
 
 
-def test_shipped_drafter_sampling_modes(gen):
-    toks = gen.tokenize(chatml(humaneval_prompts()[5].text))
-    for mode in ("match", "rejection"):
-        r = gen.generate(toks, 48, draft_len=5, sampling=SamplingParams(temperature=0.7, seed=3, mode=mode))
-        assert r.stats.tau > 1.05 and r.tokens
+def test_shipped_drafter_sampling_modes():
+    """Sampled verification with the trained drafter, in exact mode (where verifying in batches changes
+    no logit): match mode commits the very tokens plain sampling draws for the seed; rejection sampling
+    draws its own, the same again for the same seed; both verify drafts and accept enough of them to
+    gain (a random drafter: tau ~1.0)."""
+    with SpeculativeGenerator(default_target(), shipped_drafter(), n_ctx=1024, exact=True) as g:
+        toks = g.tokenize(chatml(humaneval_prompts()[5].text))
+
+        def run(mode, n):
+            return g.generate(toks, 48, draft_len=n, sampling=SamplingParams(temperature=0.7, seed=3, mode=mode))
+
+        plain, match = run("match", 0), run("match", 5)
+        rejection = [run("rejection", 5) for _ in range(2)]
+    assert match.tokens == plain.tokens
+    assert rejection[0].tokens == rejection[1].tokens
+    for r in (match, rejection[0]):
+        s = r.stats
+        assert s.n_generated == len(r.tokens) and (len(r.tokens) == 48 or s.stop_reason == "eos"), s
+        assert 0 < s.accepted <= s.drafted and s.tau > 1.05, s
+    assert (match.stats.mode, rejection[0].stats.mode) == ("match", "rejection")
 
 
 def test_grammar_aware_drafting_on_json(gen, capsys):
