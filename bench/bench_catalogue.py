@@ -13,7 +13,7 @@ Columns, each computed here:
 - ``identical``: greedy output with the drafter equal to the plain loop's (draft_len 0, the same
   context and settings) token for token, prompts identical / prompts; in exact mode where its
   self-check passed.  Gemma-3-270M: one generation of 1,100 tokens, across its 512-token sliding
-  window; Qwen2.5-Coder-1.5B: 4 prompts × 256 tokens; tiny targets: 2 × 120.
+  window; Qwen2.5-Coder-1.5B: 3 prompts × 256 tokens; tiny targets: 2 × 120.
 - ``exact``: the self-check's verdict (rows: the longest verify batch that is bit-identical).
 - ``tau``: mean accepted length per step with a replayed drafter (the plain continuation, each token
   right with probability 0.7, draft 7).
@@ -188,7 +188,7 @@ def row(name: str, target: str, drafter: str, prompts: list[str], n_tok: int, dr
 def real_rows(rounds: int, threads: int) -> list[dict]:
     out = []
     for name, prompts, n_tok, n_ctx in (("gemma-3-270m", PROMPTS[:1], 1100, 2048),
-                                        ("qwen2.5-coder-1.5b", PROMPTS, 256, 1024)):
+                                        ("qwen2.5-coder-1.5b", PROMPTS[1:], 256, 1024)):
         target = pypi_target(name)
         from test_real_targets import _sizes  # the vocab-only read of hidden size, layers, vocabulary
 
