@@ -1081,6 +1081,42 @@ def kernels() -> list[str]:
     return out
 
 
+def catalogue() -> list[str]:
+    if not (HERE / "catalogue.json").is_file():
+        return []
+    r = _load("catalogue.json")
+    out = ["## Target families", "",
+           _source(r["command"], r["date"], "catalogue.json",
+                   f"; {r['cpu']}, {r['threads']} threads, {r['kernels']}, load {r['load'][0]:.2f} before / "
+                   f"{r['load_after'][0]:.2f} after, {r['busy']} other pytest / bench processes running at the start"),
+           "", "One row per target family: the tiny random targets of `tests/families.py` (each with the drafter "
+           "converted from a synthetic checkpoint in its family's published schema where that converts, else a "
+           "random GGUF drafter) and the real models (random drafters shaped for them; SmolLM2 with the shipped "
+           "drafter). *converts*: `llama-dflash convert` of that checkpoint, or its error. *identical*: greedy "
+           "output with the drafter equal to the plain loop's on the same context, prompts identical / prompts "
+           "(tokens each; exact mode where its self-check passed). *exact*: the self-check's verdict, rows = the "
+           "longest verify batch bit-identical to one-token decoding (capped by the drafter's block). *tau*: mean "
+           "accepted length a step with a replayed drafter, each token right with p = 0.7, draft 7 (the same "
+           "draw for every row, so equal taus mean the loop accepts what it is given). *t(k)/t(1)*: "
+           "`llama_decode` of k rows after 64 positions on the exact-mode context, best of the rounds (the tiny "
+           "targets' t(1) is a fraction of a millisecond: their ratios are overhead, not matrix products).", "",
+           "| family | converts | loads | speculates | identical (tokens) | exact (rows) | tau @ p 0.7 | "
+           "t(1) ms | t(2)/t(1) | t(4)/t(1) | t(8)/t(1) | plain / spec s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        if x.get("loads") != "yes":
+            out.append(f"| {x['family']} | {x['converts']} | {x['loads']} | – | – | – | – | – | – | – | – | – |")
+            continue
+        ex = x["exact"]
+        verdict = (f"passed ({x['exact_rows']})" if ex.startswith("self-check passed") else ex)
+        t = x["t_ratio"]
+        out.append(f"| {x['family']} | {x['converts']} | yes | {'yes' if x['speculates'] else 'no'} "
+                   f"({x['drafted']} drafted) | {x['identical']} ({x['tokens']}) | {verdict} | {x['tau']} | "
+                   f"{x['t_ms']['1']:.2f} | {t['2']:.2f} | {t['4']:.2f} | {t['8']:.2f} | "
+                   f"{x['plain_s']} / {x['spec_s']} |")
+    return out + [""]
+
+
 def rpc() -> list[str]:
     if not (HERE / "rpc.json").is_file():
         return []
@@ -1145,14 +1181,16 @@ def render() -> str:
             "Contents: [core](#core-capture-drafter-step-verification-loop) · [converter](#converter) · "
             "[shipped drafter on HumanEval](#the-shipped-drafter-on-humaneval-held-out) · "
             "[drop-in class](#the-drop-in-class) · [exact mode](#exact-mode) · "
-            "[small-batch kernels](#small-batch-kernels) · [RPC split](#a-target-split-over-rpc-servers) · "
+            "[small-batch kernels](#small-batch-kernels) · [target families](#target-families) · "
+            "[RPC split](#a-target-split-over-rpc-servers) · "
             "[cost-aware drafting](#cost-aware-drafting) · [concurrent requests](#concurrent-requests) · "
             "[training data](#training-data) · "
             "[measured by hand](#measured-by-hand-no-json-in-benchresults)", ""]
     body = [*core(), *quant(), *convert(), *humaneval(), *humaneval_raw(), *previous_drafter(), *drafters(), *heldout(),
             *datasize(),
             *train_smoke(),
-            *dropin(), *exact(), *kernels(), *rpc(), *adaptive(), *blind(), *concurrent(), *training_data()]
+            *dropin(), *exact(), *kernels(), *catalogue(), *rpc(), *adaptive(), *blind(), *concurrent(),
+            *training_data()]
     return "\n".join(head + body) + "\n" + BY_HAND
 
 

@@ -296,7 +296,8 @@ struct dflash_kernel_stats {
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard
  * layout (or, with DFLASH_KERNELS_REPACKED added to a Q4_0 / Q4_K type, in ggml-cpu's repacked layout of
- * 8-row groups), on n_threads threads: the backend's own path, for tests and benchmarks.  isa: "avx512vnni",
+ * 8-row groups; or F32: a MoE router's product, the only f32 weights the backend takes), on n_threads threads:
+ * the backend's own path, for tests and benchmarks.  isa: "avx512vnni",
  * "avx2" or "" (the best this CPU runs).  -1: a product the kernels do not take, -2: an instruction
  * set this CPU lacks. */
 int32_t dflash_kernels_mul(const char * isa, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,

@@ -299,7 +299,8 @@ def moe_targets(tmp_path_factory):
     with one layer (its routing then the same for any rounding of the experts' products)."""
     d = tmp_path_factory.mktemp("moe")
     q4 = replace(MOE, expert_type="q4_0")
-    specs = {"q8_0": MOE, "f32": replace(MOE, dequantized=True), "q4_0": q4, "q4_0-1": replace(q4, n_layer=1)}
+    specs = {"q8_0": MOE, "f32": replace(MOE, dequantized=True), "q4_0": q4, "q4_0-1": replace(q4, n_layer=1),
+             "router-f32": replace(MOE, router_type="f32")}
     return {name: write_target(str(d / f"qwen3moe-{name}.gguf"), spec) for name, spec in specs.items()}
 
 
@@ -381,7 +382,7 @@ def test_moe_target_expert_products_go_to_kernels(moe_targets):
     assert np.abs(ours - ggml).max() / np.abs(ref).max() < 2 * err_ggml.max()
 
 
-@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("t", ["q8_0", "q4_0", "router-f32"])
 def test_moe_batches_are_bit_identical_to_one_token_decodes(moe_targets, t):
     """A k-row batch after a prefix, and the tokens after it, give the logits of k one-token decodes
     bit for bit (k = 2..8): the experts' rows do not see the other tokens or experts of the batch."""
@@ -410,3 +411,34 @@ def test_moe_repacked_experts_read_as_their_rows(moe_targets):
     assert any("CPU_REPACK" in line and "buffer size" in line for line in log), "experts not repacked"
     err = np.abs(out[True] - out[False]).max() / np.abs(out[False]).max()
     assert err < 1e-5, err
+
+
+def test_router_f32_product_is_batch_invariant():
+    """A MoE router's f32 product (the only f32 weights the kernels take): each row the same bits in
+    a batch of 1..16 as alone, within float rounding of float64."""
+    rng = np.random.default_rng(5)
+    for k, ncol in ((64, 8), (2048, 128), (2880, 32), (37, 5)):
+        w = (rng.standard_normal((ncol, k)) / np.sqrt(k)).astype(np.float32)
+        x = rng.standard_normal((16, k)).astype(np.float32)
+        y16 = product(lib.dflash_kernels_mul, Q.F32, w, x, 1)
+        ref = x.astype(np.float64) @ w.T.astype(np.float64)
+        assert np.abs(y16 - ref).max() < 1e-5 * np.abs(x).max() * np.abs(w).sum(1).max(), (k, ncol)
+        for n in range(1, 17):
+            assert np.array_equal(product(lib.dflash_kernels_mul, Q.F32, w, x[:n], 2), y16[:n]), (k, ncol, n)
+
+
+def test_moe_f32_router_goes_to_kernels(moe_targets):
+    """The f32 router of each MoE layer is the kernels' product: the f32-router target gives the kernels
+    as many products as its twin with a Q8_0 router (which they always took), the experts' included.
+    (ggml's f32 product of the router is what made exact mode refuse MoE targets, issue 47: with it a
+    tiny qwen3moe / gpt-oss target's 2-row batch differed by 2.9e-06, with a Q8_0 router by nothing.)"""
+    toks = [int(x) for x in np.random.default_rng(4).integers(3, 1000, 8 + 6 + 2)]
+    counts = {}
+    for t in ("router-f32", "q8_0"):
+        with _moe_context(moe_targets[t]) as (ctx, n_vocab):
+            before = _stats()
+            _logits(ctx, n_vocab, toks, [8, 6, 1, 1])
+            after = _stats()
+            counts[t] = (after.products - before.products, after.products_id - before.products_id)
+    assert counts["router-f32"] == counts["q8_0"], counts
+    assert counts["q8_0"][1] == 3 * MOE.n_layer * 4

