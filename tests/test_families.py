@@ -1,7 +1,7 @@
 """Every target family on a tiny random target written through gguf-py (tests/families.py) and loaded
 by the real libllama: llama with llama3 RoPE, qwen3, qwen3moe, gpt-oss (sinks, alternating sliding
-window, biases, MXFP4 experts) and gemma3 run far past its 32-token window.  For each, a random
-DFlash drafter shaped for it drafts; exact mode's self-check passes (the MoE targets since the
+window, biases, MXFP4 experts) and gemma3 run far past its 32-token window.  For each, a drafter in
+the schema of the published checkpoint for that family (random weights, converted) drafts; exact mode's self-check passes (the MoE targets since the
 kernels take the f32 router; with the kernels off they are refused with the self-check's reason);
 greedy output over 120 tokens is identical to llama_cpp.Llama's under the same settings; and after
 a run whose drafts are mostly rejected, the target's next logits are bit-identical to a fresh
@@ -19,15 +19,39 @@ import pytest
 
 from llama_dflash import DFlashError, SpeculativeGenerator
 from llama_dflash.core import exact, kernels
+from llama_dflash.formats import convert_hf_to_gguf
+from llama_dflash.formats.inspect import describe, fit
 from llama_dflash.verify.oracle import ReplayDraftSource
 
-from families import FAMILIES, family_drafter_config, write_any
-from models import write_random_drafter
+from families import FAMILIES, write_any
+from hf_fixtures import PUBLISHED, make_published
 
 PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n"]
 N_TOKENS = 120
 THREADS = 1
 MOE = ("qwen3moe", "gpt-oss")
+
+
+# each family's drafter in the schema of its published checkpoint (tests/hf_fixtures.PUBLISHED: the
+# config as published, sizes scaled down), converted by `llama-dflash convert`; gemma3 has no published
+# DFlash drafter -- gemma-4's are Qwen3 bodies with [S x4, F] layers, Qwen3.6-27B's layout
+SCHEMAS = {"llama3": "llama31_llama3_rope", "qwen3": "qwen3_v1_b16", "qwen3moe": "qwen3_v1_b16",
+           "gpt-oss": "gptoss_20b", "gemma3": "qwen36_27b_flat"}
+
+
+def published_drafter(root, schema: str, target: str, n_layer: int, seed: int) -> str:
+    """A published-schema checkpoint with its taps spread over this target's layers, converted."""
+    cfg, _ = PUBLISHED[schema]
+    dc = dict(cfg.get("dflash_config") or {})
+    n_taps = len(dc.get("target_layer_ids") or cfg["target_layer_ids"])
+    usable = n_layer - 1  # (layers 0 .. n_layer - 2: the last layer's output is pruned)
+    assert n_taps <= usable, (schema, n_taps, n_layer)
+    taps = sorted({round(i * (usable - 1) / (n_taps - 1)) for i in range(n_taps)})
+    hf, _, _ = make_published(root, schema, seed, dflash_config={**dc, "target_layer_ids": taps},
+                              num_target_layers=n_layer)
+    out = root / f"{schema}-{seed}.gguf"
+    convert_hf_to_gguf(hf, target, out, outtype="f16")
+    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +61,25 @@ def pairs(tmp_path_factory):
     for i, (name, make) in enumerate(FAMILIES.items()):
         spec = make(20 + i)
         target = write_any(str(d / f"{name}.gguf"), spec)
-        drafter = write_random_drafter(str(d / f"{name}-drafter.gguf"), target, family_drafter_config(spec),
-                                       seed=30 + i)
+        drafter = published_drafter(d, SCHEMAS[name], target, spec.n_layer, seed=30 + i)
         out[name] = (target, drafter, spec)
     return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_published_schema_converts_and_inspect_agrees(pairs, name):
+    """The converted drafter is what its schema says (biases, RoPE factors, layer causality) and
+    `inspect --target` says the pair speculates -- which the tests below then see it do."""
+    target, drafter, _ = pairs[name]
+    info = describe(drafter)
+    names = {t[0] for t in info["tensors"]}
+    if name == "gpt-oss":
+        assert {"blk.0.attn_q.bias", "blk.0.attn_output.bias", "rope_freqs.weight"} <= names
+    if name == "llama3":
+        assert "rope_freqs.weight" in names and info["block_size"] == 10
+    if name == "gemma3":
+        assert info["causal_layers"] == [True] * 4 + [False] and info["swa_layers"] == [True] * 4 + [False]
+    assert fit(drafter, target) == {"ok": True, "error": None}
 
 
 def _expect_exact(name: str) -> bool:
