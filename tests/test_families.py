@@ -1,11 +1,12 @@
 """Every target family on a tiny random target written through gguf-py (tests/families.py) and loaded
 by the real libllama: llama with llama3 RoPE, qwen3, qwen3moe, gpt-oss (sinks, alternating sliding
 window, biases, MXFP4 experts) and gemma3 run far past its 32-token window.  For each, a drafter in
-the schema of the published checkpoint for that family (random weights, converted) drafts; exact mode's self-check passes (the MoE targets since the
-kernels take the f32 router; with the kernels off they are refused with the self-check's reason);
-greedy output over 120 tokens is identical to llama_cpp.Llama's under the same settings; and after
-a run whose drafts are mostly rejected, the target's next logits are bit-identical to a fresh
-context that decoded the same tokens one at a time (rollback left nothing behind).
+the schema of the published checkpoint for that family (random weights, converted) drafts; exact
+mode's self-check passes (the MoE targets since the kernels take the f32 router; with the kernels off
+they are refused with the self-check's reason); greedy output over 120 tokens is identical to
+llama_cpp.Llama's under the same settings; and after a run whose drafts are mostly rejected, the
+target's next logits are bit-identical to a fresh context that decoded the same tokens one at a
+time (rollback left nothing behind).
 
 One thread: on this 2-core machine shared with other runs, two threads make the self-check's
 300 small decodes of a MoE target take a minute instead of a second (OpenMP barriers under load).
@@ -19,39 +20,15 @@ import pytest
 
 from llama_dflash import DFlashError, SpeculativeGenerator
 from llama_dflash.core import exact, kernels
-from llama_dflash.formats import convert_hf_to_gguf
 from llama_dflash.formats.inspect import describe, fit
 from llama_dflash.verify.oracle import ReplayDraftSource
 
-from families import FAMILIES, write_any
-from hf_fixtures import PUBLISHED, make_published
+from families import FAMILIES, SCHEMAS, published_drafter, write_any
 
 PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n"]
 N_TOKENS = 120
 THREADS = 1
 MOE = ("qwen3moe", "gpt-oss")
-
-
-# each family's drafter in the schema of its published checkpoint (tests/hf_fixtures.PUBLISHED: the
-# config as published, sizes scaled down), converted by `llama-dflash convert`; gemma3 has no published
-# DFlash drafter -- gemma-4's are Qwen3 bodies with [S x4, F] layers, Qwen3.6-27B's layout
-SCHEMAS = {"llama3": "llama31_llama3_rope", "qwen3": "qwen3_v1_b16", "qwen3moe": "qwen3_v1_b16",
-           "gpt-oss": "gptoss_20b", "gemma3": "qwen36_27b_flat"}
-
-
-def published_drafter(root, schema: str, target: str, n_layer: int, seed: int) -> str:
-    """A published-schema checkpoint with its taps spread over this target's layers, converted."""
-    cfg, _ = PUBLISHED[schema]
-    dc = dict(cfg.get("dflash_config") or {})
-    n_taps = len(dc.get("target_layer_ids") or cfg["target_layer_ids"])
-    usable = n_layer - 1  # (layers 0 .. n_layer - 2: the last layer's output is pruned)
-    assert n_taps <= usable, (schema, n_taps, n_layer)
-    taps = sorted({round(i * (usable - 1) / (n_taps - 1)) for i in range(n_taps)})
-    hf, _, _ = make_published(root, schema, seed, dflash_config={**dc, "target_layer_ids": taps},
-                              num_target_layers=n_layer)
-    out = root / f"{schema}-{seed}.gguf"
-    convert_hf_to_gguf(hf, target, out, outtype="f16")
-    return str(out)
 
 
 @pytest.fixture(scope="module")
