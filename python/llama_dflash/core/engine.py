@@ -138,6 +138,29 @@ class Run:
         return s
 
 
+def _arch(model) -> str:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else "?"
+
+
+def rollback_supported(model) -> bool:
+    """Whether llama.cpp keeps per-token snapshots of this recurrent / hybrid target's state
+    (``llm_arch_supports_rs_rollback``, internal): a throw-away context asks for one and reads
+    back what it got (llama.cpp clamps ``n_rs_seq`` to 0 for the other architectures)."""
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.n_rs_seq = 256, 8, 8, 1, 1
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        raise DFlashError("cannot create a context to check the target's recurrent-state rollback")
+    try:
+        return int(llama_cpp.llama_n_rs_seq(ctx)) > 0
+    finally:
+        llama_cpp.llama_free(ctx)
+
+
 class EngineCore(_native.Resource):
     """Drafter, feature capture and C engine over one target model and its context.
 
@@ -145,12 +168,20 @@ class EngineCore(_native.Resource):
     a DFlash / DFlash2 GGUF, or None (plain decoding; ``capture_layers`` then turns capture
     on alone, HF layer ids, e.g. for training features).  Use: ``prepare_context(cparams)``
     on the params the context will be created with, then ``attach(ctx)``.
+
+    Recurrent and hybrid targets (qwen35, lfm2, nemotron_h, ...) roll rejected drafts back through
+    llama.cpp's per-token snapshots of their recurrent state: ``prepare_context`` asks for
+    ``n_rs_seq`` = the longest draft (``draft_n_max``, else the drafter's), and drafts never exceed
+    what the context got.  Where llama.cpp has no snapshots for the architecture (it clamps
+    ``n_rs_seq`` to 0: mamba, rwkv, jamba, qwen3next, ...) the target is refused for speculation
+    here, at load, with a logged warning (``unavailable``); it still decodes plainly.
     """
 
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: exact_mode.LoadSettings | None = None,
-                 model_path: str | os.PathLike | None = None, placement: str = "cpu") -> None:
+                 model_path: str | os.PathLike | None = None, placement: str = "cpu",
+                 draft_n_max: int | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
@@ -177,14 +208,24 @@ class EngineCore(_native.Resource):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.drafter_info: DrafterConfig | None = None
         self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
+        self._draft_n_max = draft_n_max
+        # recurrent state (None: a KV cache only): its rollback depth is the context's n_rs_seq
+        self.n_rs_seq: int | None = None
         lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
         if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-            self.unavailable = "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+            self.n_rs_seq = 0
+            if not rollback_supported(model):
+                kind = "hybrid" if lc.llama_model_is_hybrid(model) else "recurrent"
+                self.unavailable = (f"{kind} target '{_arch(model)}': llama.cpp keeps no snapshots of its recurrent "
+                                    "state (n_rs_seq is clamped to 0), so rejected drafts cannot be rolled back: "
+                                    "plain decoding")
         taps = list(capture_layers or [])
         if drafter_path is not None:
             self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
             self.drafter_info = self._drafter.info
             taps = list(self.drafter_info.target_layers)
+            if self.unavailable is not None:
+                log.warning("llama-dflash: not speculating: %s", self.unavailable)
         self.capture_mode = "none"
         if taps and self.unavailable is None:  # no capture or engine on a target that cannot speculate
             try:
@@ -204,6 +245,9 @@ class EngineCore(_native.Resource):
         context of the same settings (or comes from the cache), so that where ``exact="auto"``
         falls back, the target context is created with the caller's own settings (flash
         attention as asked) -- the default mode exactly as ``exact=False`` would load it."""
+        if self.n_rs_seq is not None and self.unavailable is None:
+            # snapshots for the longest rollback a step can need: its drafts (exact mode may lower it below)
+            cparams.n_rs_seq = self._rollback_wanted(cparams)
         if self._exact_wanted and self.unavailable is None and self.exact is None:
             rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
             placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
@@ -217,12 +261,46 @@ class EngineCore(_native.Resource):
             else:
                 exact_mode.require(v)
                 self.exact = v
+                if self.n_rs_seq is not None:
+                    cparams.n_rs_seq = self._rollback_wanted(cparams)  # (no more than the invariant drafts)
+        if self.n_rs_seq is not None and self.unavailable is None:
+            self.n_rs_seq = int(cparams.n_rs_seq)
         if self._capture is not None:
             self._capture.install(cparams)
 
+    def _rollback_wanted(self, cparams) -> int:
+        """Recurrent-state snapshots to ask for: the longest draft this core may verify (each costs
+        one more copy of the recurrent state: bench/bench_hybrid.py), in exact mode no more than its
+        invariant drafts; llama.cpp keeps a batch's last n_rs_seq + 1 rows in one ubatch and aborts
+        unless n_ubatch exceeds them."""
+        n = self.drafter_info.max_draft if self.drafter_info else 15  # (an external source: a usual block)
+        if self._draft_n_max is not None:
+            n = min(n, self._draft_n_max)
+        if self.exact is not None:
+            n = min(n, self.exact.max_rows - 1)
+        ubatch = min(int(cparams.n_ubatch), int(cparams.n_batch))
+        if ubatch < 3:
+            raise DFlashError(f"a recurrent / hybrid target rolls drafts back only with n_ubatch >= 3 (got {ubatch})")
+        return max(1, min(n, ubatch - 2))
+
     def attach(self, ctx) -> None:
-        """Bind the capture and create the engine on the target context (``llama_context *``)."""
+        """Bind the capture and create the engine on the target context (``llama_context *``); a
+        target that cannot speculate gets a plain engine (no drafter, no capture)."""
+        if self.unavailable is None and self.n_rs_seq is not None:
+            got = int(llama_cpp.llama_n_rs_seq(ctx))
+            if got < 1:  # (a context created without prepare_context's n_rs_seq, or clamped)
+                raise DFlashError(f"the {_arch(self._model)} target's context keeps no recurrent-state snapshots "
+                                  "(n_rs_seq 0): rejected drafts could not be rolled back")
+            self.n_rs_seq = got
         if self.unavailable is not None:
+            self.ctx = ctx
+            err = _native.err_buf()
+            e = lib.dflash_engine_new(_native.ptr("struct llama_context *", ctx), ffi.NULL, ffi.NULL, err,
+                                      _native.ERR_LEN)
+            if e == ffi.NULL:
+                raise DFlashError(_native.err_str(err))
+            self._engine = e
+            self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
             return
         if self.exact is not None:  # (prepare_context proved it) before the capture is bound and first use
             exact_mode.reference_kernels(ctx)
@@ -253,9 +331,17 @@ class EngineCore(_native.Resource):
     @property
     def max_draft_len(self) -> int:
         """Longest draft: the drafter's block - 1 (without a drafter, the core's limit); in exact
-        mode at most the largest batch the self-check found invariant, minus its anchor row."""
-        n = self.drafter_info.max_draft if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+        mode at most the largest batch the self-check found invariant, minus its anchor row; on a
+        recurrent / hybrid target at most its context's n_rs_seq (0: it cannot speculate)."""
+        if self.unavailable is not None:
+            return 0
+        n = self._drafter_max_draft()
+        if self.n_rs_seq:  # (0 until the context exists)
+            n = min(n, self.n_rs_seq)
         return min(n, self.exact.max_rows - 1) if self.exact is not None else n
+
+    def _drafter_max_draft(self) -> int:
+        return self.drafter_info.max_draft if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
 
     @property
     def feature_width(self) -> int:
@@ -276,8 +362,10 @@ class EngineCore(_native.Resource):
             raise DFlashError("the engine is closed")
         engine = self._engine if engine is None else engine
         req.check()
-        if self.exact is not None and req.draft_len > self.max_draft_len:
-            req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
+        if (self.exact is not None or self.n_rs_seq is not None) and req.draft_len > self.max_draft_len:
+            # verify only invariant batch sizes; roll back no more than the recurrent state's snapshots
+            n = self.max_draft_len
+            req = dataclasses.replace(req, draft_len=n, adaptive=req.adaptive and n > 0)
         if req.adaptive and req.draft_len > 0:
             self.ensure_costs()
         toks = [int(t) for t in tokens]
