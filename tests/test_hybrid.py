@@ -262,7 +262,7 @@ def test_a_target_without_rollback_is_refused_at_load(hybrid, caplog, tmp_path):
         assert "\n" not in lines[0]
         out = llm("Hello", max_tokens=8, temperature=0.0)
         assert out["usage"]["completion_tokens"] == 8
-        assert "cannot be rolled back" in llm.last_speculative_stats.fallback_reason
+        assert "cannot roll back rejected drafts" in llm.last_speculative_stats.fallback_reason
     finally:
         llm.close()
     caplog.clear()

@@ -217,7 +217,7 @@ class EngineCore(_native.Resource):
             if not rollback_supported(model):
                 kind = "hybrid" if lc.llama_model_is_hybrid(model) else "recurrent"
                 self.unavailable = (f"{kind} target '{_arch(model)}': llama.cpp keeps no snapshots of its recurrent "
-                                    "state (n_rs_seq is clamped to 0), so rejected drafts cannot be rolled back: "
+                                    "state (n_rs_seq is clamped to 0), so it cannot roll back rejected drafts: "
                                     "plain decoding")
         taps = list(capture_layers or [])
         if drafter_path is not None:
