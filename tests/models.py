@@ -35,7 +35,7 @@ def small_bpe_vocab() -> dict:
 
 @dataclass
 class TargetSpec:
-    arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe | qwen35 (hybrid) | mamba (recurrent)
+    arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe | qwen35, lfm2 (hybrid) | mamba (recurrent)
     n_embd: int = 64
     n_layer: int = 6
     n_head: int = 4
@@ -56,7 +56,8 @@ class TargetSpec:
     expert_type: str = "q8_0"
     router_type: str = "f32"
     dequantized: bool = False    # the quantized matrices' values written as f32 (a reference without 8-bit activations)
-    # qwen35 (hybrid): gated-delta-net layers with a full-attention layer every full_attn_interval;
+    # qwen35 (hybrid): gated-delta-net layers with a full-attention layer every full_attn_interval (lfm2:
+    # short-convolution layers between them);
     # head_dim n_embd / n_head, RoPE on rope_dims of them (M-RoPE sections); mamba: its SSM sizes too
     full_attn_interval: int = 3
     ssm_d_state: int = 16        # GDN head size (keys and values)
@@ -93,7 +94,12 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_embedding_length(E)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
+    if a == "lfm2":  # (per layer: 0 marks a short-convolution layer)
+        w.add_head_count_kv([spec.n_head_kv if (i + 1) % spec.full_attn_interval == 0 else 0
+                             for i in range(spec.n_layer)])
+        w.add_shortconv_l_cache(spec.ssm_d_conv)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(spec.rope_dims if a == "qwen35" else hd)
@@ -140,7 +146,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
 
     emb = mat(VOCAB, E, 1.0)
     w.add_tensor("token_embd.weight", emb)
-    w.add_tensor("output_norm.weight", norm(E))
+    w.add_tensor("token_embd_norm.weight" if a == "lfm2" else "output_norm.weight", norm(E))
     if not spec.tied:
         head = mat(VOCAB, E, 0.5)
         put("output.weight", head, spec.output_type)
@@ -155,11 +161,20 @@ def write_target(path: str, spec: TargetSpec) -> str:
         if a == "qwen35":
             _add_qwen35(put, w, p, i, spec, rng, s, norm)
             continue
+        if a == "lfm2" and (i + 1) % spec.full_attn_interval != 0:
+            put(p + "shortconv.in_proj.weight", mat(3 * E, E, s), mt)
+            w.add_tensor(p + "shortconv.conv.weight", mat(E, spec.ssm_d_conv, 0.5))
+            put(p + "shortconv.out_proj.weight", mat(E, E, s), mt)
+            w.add_tensor(p + "ffn_norm.weight", norm(E))
+            put(p + "ffn_gate.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_up.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)), mt)
+            continue
         put(p + "attn_q.weight", mat(spec.n_head * hd, E, s), mt)
         put(p + "attn_k.weight", mat(spec.n_head_kv * hd, E, s), mt)
         put(p + "attn_v.weight", mat(spec.n_head_kv * hd, E, s), mt)
         put(p + "attn_output.weight", mat(E, spec.n_head * hd, s), mt)
-        if a in ("qwen3", "qwen3moe"):
+        if a in ("qwen3", "qwen3moe", "lfm2"):
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
         if a == "qwen2":

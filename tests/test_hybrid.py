@@ -1,5 +1,6 @@
-"""Hybrid and recurrent targets: tiny random qwen35 (gated delta net + gated full attention) and
-mamba targets written through gguf-py and loaded by the real libllama.
+"""Hybrid and recurrent targets: tiny random qwen35 (gated delta net + gated full attention), lfm2
+(short convolutions + attention) and mamba targets written through gguf-py and loaded by the real
+libllama.
 
 qwen35 speculates: its context keeps n_rs_seq per-token snapshots of the recurrent state, and a
 verify step's rejected rows are rolled back by restoring the snapshot after its last kept row.
@@ -35,6 +36,7 @@ def hybrid(tmp_path_factory):
     out = {}
     for name, spec in (("q8", TargetSpec(arch="qwen35", seed=3, matrix_type="q8_0", tied=False, output_type="q8_0")),
                        ("f32", TargetSpec(arch="qwen35", seed=4)),
+                       ("lfm2", TargetSpec(arch="lfm2", seed=6, matrix_type="q8_0", tied=False, output_type="q8_0")),
                        ("mamba", TargetSpec(arch="mamba", seed=5))):
         t = write_target(str(d / f"{name}.gguf"), spec)
         out[name] = {"target": t, "drafter": write_random_drafter(str(d / f"{name}-drafter.gguf"), t,
@@ -113,11 +115,13 @@ def _oracle_source(truth: list[int], n_prompt: int, rng: np.random.Generator):
     return source
 
 
-def test_rollbacks_leave_the_target_bit_identical_to_a_fresh_decode(hybrid):
+@pytest.mark.parametrize("name", ["q8", "lfm2"])
+def test_rollbacks_leave_the_target_bit_identical_to_a_fresh_decode(hybrid, name):
     """After a generation of many partly rejected steps, the target's state is what decoding the
     committed tokens one by one gives: the next token's logits are bitwise equal.  (A recurrent
-    state merely truncated, not restored, would still hold the rejected rows.)"""
-    a = hybrid["q8"]
+    state merely truncated, not restored, would still hold the rejected rows.)  qwen35's gated
+    delta net and lfm2's short convolutions alike."""
+    a = hybrid[name]
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=512, n_threads=2, exact=True) as g:
         ctx, n_vocab = g._ctx, g.n_vocab
         toks = g.tokenize(PROMPT)
