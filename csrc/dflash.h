@@ -28,6 +28,15 @@ extern "C" {
 struct llama_model;
 struct llama_context;
 
+/* The core's limits, one name each (the binding reads them: Python never spells them) */
+#define DFLASH_MAX_DRAFT 64      /* tokens one step drafts */
+/* DFLASH_MAX_DRAFT + 1, a verify batch's rows (written as a number for the binding's parser) */
+#define DFLASH_MAX_ROWS 65
+#define DFLASH_MAX_LAYERS 64     /* drafter layers */
+#define DFLASH_MAX_TAPS 64       /* target layers a drafter reads (capture taps) */
+#define DFLASH_MAX_TOP_K 64      /* candidates per slot: DFlash2's selector_top_k, a lattice walk's K */
+#define DFLASH_MAX_SEQ_GROUP 64  /* engines one group step takes (Llama's parallel) */
+
 typedef struct dflash_drafter dflash_drafter;
 typedef struct dflash_state   dflash_state;
 typedef struct dflash_capture dflash_capture;
@@ -51,7 +60,7 @@ struct dflash_drafter_info {
     int32_t n_ctx_train;      /* dflash.context_length */
     int32_t block_size;
     int32_t n_taps;           /* entries of target_layers */
-    int32_t target_layers[64]; /* HF ids (output of target layer id), concat order */
+    int32_t target_layers[DFLASH_MAX_TAPS]; /* HF ids (output of target layer id), concat order */
     int32_t mask_token_id;
     float   rms_eps;
     float   rope_theta;
@@ -66,7 +75,7 @@ struct dflash_drafter_info {
     float   yarn_beta_slow;
     int32_t causal;           /* block attention causal */
     int32_t n_swa;            /* sliding window (0 = none) */
-    int32_t swa_layers[64];   /* 1: layer i uses the window (all layers when the file gives no pattern) */
+    int32_t swa_layers[DFLASH_MAX_LAYERS]; /* 1: layer i uses the window (all layers when the file gives no pattern) */
     float   embedding_scale;
     float   logit_scale;
     float   softcap;
@@ -93,10 +102,13 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
                                      int32_t n_ctx, int32_t n_threads,
                                      char * err, size_t err_len);
 void dflash_drafter_free(dflash_drafter * d);
-/* Read and validate a drafter file without a target: every key, tensor name, shape
- * and type the loader checks (n_vocab taken from the file's tokenizer.ggml.tokens).
- * out (optional) receives its hyper-parameters.  Returns 0, or -1 with the reason. */
-int32_t dflash_drafter_check(const char * path, struct dflash_drafter_info * out, char * err, size_t err_len);
+/* Read and validate a drafter file as the loader does, without loading its weights: every
+ * key, tensor name, shape and type, and with a target (optional: may be NULL; a model loaded
+ * with vocab_only suffices) everything checked against it -- the same tokenizer, hidden size,
+ * taps.  Without one, n_vocab is the file's tokenizer.ggml.tokens.  out (optional) receives
+ * its hyper-parameters.  Returns 0, or -1 with the reason. */
+int32_t dflash_drafter_check(const char * path, const struct llama_model * target, struct dflash_drafter_info * out,
+                             char * err, size_t err_len);
 void dflash_drafter_get_info(const dflash_drafter * d, struct dflash_drafter_info * out);
 
 /* Bytes the drafter allocated itself (the borrowed embedding/head excluded). */
@@ -301,11 +313,6 @@ int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t
 typedef int32_t (*dflash_draft_fn)(void * user_data, const int32_t * history, int32_t n_history,
                                     int32_t n, int32_t * out);
 
-#define DFLASH_MAX_DRAFT 64
-#define DFLASH_MAX_LAYERS 64  /* drafter layers the core supports */
-/* DFLASH_MAX_DRAFT + 1, a verify batch's rows (written as a number for the binding's parser) */
-#define DFLASH_MAX_ROWS 65
-
 struct dflash_stats {
     int32_t n_prompt;
     int32_t n_generated;
@@ -318,7 +325,7 @@ struct dflash_stats {
     double  t_draft_s;
     double  t_verify_s;
     double  t_total_s;     /* decode phase: after prefill until the end */
-    int32_t stop_reason;   /* 1 = eos, 2 = max_tokens */
+    int32_t stop_reason;   /* enum dflash_stop_reason */
     int32_t mode;          /* the verify mode that ran */
     int32_t n_reused;      /* prompt tokens whose KV was kept from the previous generation */
     int32_t grammar_cut;   /* drafts the grammar ended early (no allowed candidate at a slot) */
@@ -330,6 +337,12 @@ struct dflash_stats {
     int32_t length_hist[DFLASH_MAX_ROWS]; /* steps by the draft length they verified (0 = anchor alone) */
     double  t_predicted_s;   /* the cost model's prediction of the steps' draft + verify time (once one exists) */
     float   per_position_expected[DFLASH_MAX_DRAFT]; /* calibrated acceptance, summed over verified slots */
+};
+
+enum dflash_stop_reason {
+    DFLASH_STOP_NONE       = 0, /* still generating, or stopped by the caller */
+    DFLASH_STOP_EOS        = 1, /* an end-of-generation token */
+    DFLASH_STOP_MAX_TOKENS = 2  /* max_tokens reached */
 };
 
 enum dflash_verify_mode {
@@ -468,9 +481,6 @@ int32_t dflash_engine_step_group(dflash_engine ** engines, int32_t n, int32_t ma
 /* Logits (n_vocab floats, the target's raw row) that produced the k-th token returned
  * by the last start (k = 0) or step; valid until the next start / step. */
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k);
-/* Change the draft length for the following steps (0: plain steps), e.g. when speculation
- * does not pay off.  Clamped to what start accepted (the drafter's block). */
-void    dflash_engine_set_draft_len(dflash_engine * e, int32_t n);
 /* Forget what the target KV holds (someone else used the context): no prefix reuse next time. */
 void    dflash_engine_forget(dflash_engine * e);
 

@@ -20,14 +20,14 @@
 struct dflash_capture {
     int32_t mode;
     int32_t n_layers;
-    int32_t layers[64];    // HF ids
+    int32_t layers[DFLASH_MAX_TAPS]; // HF ids
     int32_t n_embd;
     int32_t max_rows;
     struct llama_context * ctx;
     bool installed;        // cb_eval set in the context params
     // cb_eval path: one plane per tap, filled ubatch by ubatch
     float * planes;        // [n_layers][max_rows][n_embd]
-    int32_t rows_done[64];
+    int32_t rows_done[DFLASH_MAX_TAPS];
     bool overflow;
     float * out;           // [max_rows][n_layers*n_embd]
 };
@@ -53,8 +53,8 @@ bool dflash_target_has_layer_inp(const struct llama_model * target) {
 
 dflash_capture * dflash_capture_new(const struct llama_model * target, const int32_t * layers, int32_t n_layers,
                                     int32_t max_rows, int32_t mode, char * err, size_t err_len) {
-    if (n_layers <= 0 || n_layers > 64) {
-        dflash_seterr(err, err_len, "capture needs 1..64 layers (got %d)", n_layers);
+    if (n_layers <= 0 || n_layers > DFLASH_MAX_TAPS) {
+        dflash_seterr(err, err_len, "capture needs 1..%d layers (got %d)", DFLASH_MAX_TAPS, n_layers);
         return NULL;
     }
     if (max_rows <= 0) {

@@ -18,7 +18,6 @@
 
 _Static_assert(DFLASH_MAX_ROWS == DFLASH_MAX_DRAFT + 1, "dflash.h: DFLASH_MAX_ROWS");
 
-#define DFLASH_MAX_SEQ_GROUP 64  // engines one group step takes
 
 // One step between drafting and verification: what is verified, and what the policy needs after.
 struct step_plan {
@@ -67,12 +66,11 @@ struct dflash_engine {
     struct dflash_engine_params prm;
     struct dflash_stats stats;
     bool active, eos;
-    int32_t draft_len_max;          // the draft length start validated
     int32_t n_hist, n_gen, n_past;  // committed tokens, generated tokens, target KV length
     int32_t n_prefilled;            // the last prompt (its KV made by prefill chunks from position 0)
     double t_start;
-    int32_t q_cand[DFLASH_MAX_DRAFT * 64]; // rejection: the drafter's proposal, n x k candidates
-    float q_prob[DFLASH_MAX_DRAFT * 64];   // and their q
+    int32_t q_cand[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // rejection: the drafter's proposal, n x k candidates
+    float q_prob[DFLASH_MAX_DRAFT * DFLASH_MAX_TOP_K]; // and their q
     struct dflash_policy policy;           // adaptive draft lengths: the cost model and calibration
     int32_t seq;               // the target sequence this engine drives
     bool shared;               // on a context shared with other engines (dflash_engine_new_seq)
@@ -456,7 +454,6 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     e->n_past = 0; // until this generation's prefill is done
     memcpy(e->history, prompt, sizeof(int32_t) * n_prompt);
     e->prm = *params;
-    e->draft_len_max = params->n_draft;
     e->n_hist = n_prompt;
     st->n_prompt = n_prompt;
     st->n_reused = reuse;
@@ -485,7 +482,7 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
     e->eos = params->stop_on_eos && llama_vocab_is_eog(e->vocab, tok);
     e->active = true;
     st->n_generated = 1;
-    st->stop_reason = e->eos ? 1 : (max_tokens == 1 ? 2 : 0);
+    st->stop_reason = e->eos ? DFLASH_STOP_EOS : (max_tokens == 1 ? DFLASH_STOP_MAX_TOKENS : DFLASH_STOP_NONE);
     return tok;
 }
 
@@ -715,7 +712,7 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
     st->t_verify_s += t_v;
     st->t_total_s = dflash_now() - e->t_start;
     st->n_generated = e->n_gen;
-    st->stop_reason = e->eos ? 1 : (e->n_gen >= params->max_tokens ? 2 : 0);
+    st->stop_reason = e->eos ? DFLASH_STOP_EOS : (e->n_gen >= params->max_tokens ? DFLASH_STOP_MAX_TOKENS : DFLASH_STOP_NONE);
 
     if (e->step_fn) {
         struct dflash_step s = {
@@ -864,12 +861,6 @@ void dflash_engine_get_stats(const dflash_engine * e, struct dflash_stats * out)
 const float * dflash_engine_last_logits(const dflash_engine * e, int32_t k) {
     // start: the prefill's last row; a step: verify row k produced its k-th token
     return llama_get_logits_ith(e->ctx, e->stats.steps == 0 ? -1 : row_of(e, k));
-}
-
-void dflash_engine_set_draft_len(dflash_engine * e, int32_t n) {
-    if (n < 0) n = 0;
-    if (n > e->draft_len_max) n = e->draft_len_max;
-    e->prm.n_draft = n;
 }
 
 void dflash_engine_forget(dflash_engine * e) {

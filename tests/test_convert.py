@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,6 +303,28 @@ def test_cli_quantize(artifacts, tmp_path):
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "not found" in r.stderr
 
 
+def test_convert_scripts_run_as_the_cli(artifacts, tmp_path):
+    """convert/*.py: runnable scripts, thin over the package (the CLI's subcommands)."""
+    a = artifacts["llama"]
+    root = Path(__file__).resolve().parents[1] / "convert"
+    hf, _, _ = make_variant(tmp_path, "v1_toplevel")
+    out = tmp_path / "d.gguf"
+
+    def script(name, *args):
+        return subprocess.run([sys.executable, str(root / name), *args], capture_output=True, text=True, timeout=600)
+
+    r = script("convert_hf_to_gguf.py", str(hf), "--target", a["target"], "--outfile", str(out), "--outtype", "q8_0")
+    assert r.returncode == 0 and out.is_file(), r.stderr
+    r = script("inspect_drafter.py", str(out), "--target", a["target"])
+    assert r.returncode == 0 and "speculates with this drafter" in r.stdout, r.stdout + r.stderr
+    r = script("quantize_drafter.py", str(out), "--outtype", "q4_0", "--out", str(tmp_path / "q4.gguf"))
+    assert r.returncode == 0 and "as q4_0" in r.stdout, r.stderr
+    r = script("reduce_vocab.py", "--help")
+    assert r.returncode == 0 and "--size" in r.stdout
+    r = script("convert_hf_to_gguf.py", str(tmp_path / "nope"), "--target", a["target"], "--outfile", str(out))
+    assert r.returncode == 2 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_cli_convert_and_inspect(artifacts, tmp_path):
     a = artifacts["llama"]
     d, _, _ = make_variant(tmp_path, "v2")
@@ -320,13 +343,13 @@ def test_cli_convert_and_inspect(artifacts, tmp_path):
     out1 = tmp_path / "v1.gguf"
     assert run_cli("convert", str(v1), "--target", a["target"], "--outfile", str(out1)).returncode == 0
     r = run_cli("inspect", str(out1), "--target", a["target"])
-    assert r.returncode == 0 and "fits" in r.stdout.splitlines()[-1], r.stdout
+    assert r.returncode == 0 and "speculates with this drafter" in r.stdout.splitlines()[-1], r.stdout
     from models import TargetSpec, write_target
 
     wide = write_target(str(tmp_path / "wide.gguf"), TargetSpec(n_embd=96, n_head=4, n_head_kv=2))
     r = run_cli("inspect", str(out1), "--target", wide)
     # a drafter that does not fit the target is a failed check: exit status 1
-    assert r.returncode == 1 and "does not fit" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
+    assert r.returncode == 1 and "will not speculate" in r.stdout and "hidden size 64 but the target has 96" in r.stdout
     # user errors: one line, non-zero
     r = run_cli("convert", str(tmp_path / "nope"), "--target", a["target"], "--outfile", str(out))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no config.json" in r.stderr

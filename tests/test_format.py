@@ -154,6 +154,14 @@ BAD = {
     "unknown_tensor": ({"extra_tensor": ("blk.0.extra.weight", np.ones(4, np.float32))}, "unsupported tensor"),
     "layer_out_of_range": ({"extra_tensor": ("blk.7.attn_norm.weight", np.ones(64, np.float32))}, "unsupported"),
     "missing_tensor": ({"drop_tensors": ["blk.1.ffn_down.weight"]}, "missing tensor 'blk.1.ffn_down.weight'"),
+    # the fuzz's findings: each was refused by `inspect` but generated, or generated unchecked
+    "no_tokens": ({"drop": ["tokenizer.ggml.tokens"]}, "tokenizer.ggml.tokens is missing"),
+    "tokens_corrupt": ({"keys": {"tokenizer.ggml.tokens": (["a", b"\xff\xfeb"] + ["t"] * (VOCAB - 2), ARR, STR)}},
+                       r"tokenizer.ggml.tokens\[1\] is not valid UTF-8"),
+    "taps_duplicate": ({"keys": {"dflash.target_layers": ([3, 3, 3], ARR, GGUFValueType.INT32)}},
+                       "dflash.target_layers taps layer 2 twice"),
+    "context_length_1": ({"keys": {"dflash.context_length": (1, U32, None)}},
+                         "dflash.context_length 1 is shorter than one block"),
 }
 
 
@@ -162,13 +170,47 @@ def model(artifacts, load_model):
     return load_model(artifacts["llama"]["target"])
 
 
+def _pattern(message: str) -> str:
+    return message if "\\[" in message else message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_loader_and_check_refuse(artifacts, model, tmp_path, case):
+    """One validation: the file alone, the file against its target and the load refuse alike."""
     mutation, message = BAD[case]
     bad = _rewrite(artifacts["llama"]["drafter"], tmp_path / f"{case}.gguf", **mutation)
-    with pytest.raises(DFlashError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+    with pytest.raises(DFlashError, match=_pattern(message)):
         check_drafter(bad)
-    with pytest.raises(DFlashError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+    with pytest.raises(DFlashError, match=_pattern(message)):
+        check_drafter(bad, model)
+    with pytest.raises(DFlashError, match=_pattern(message)):
+        Drafter(bad, model, n_ctx=64, n_threads=1)
+
+
+def _tokens(src) -> list[str]:
+    return list(GGUFReader(str(src)).fields["tokenizer.ggml.tokens"].contents())
+
+
+# files that are sound alone but not for this target: the check against the target and the load refuse
+TARGET_BAD = {
+    "other_tokenizer": (lambda toks: toks[:100] + ["Zq"] + toks[101:],
+                        r"made for another tokenizer: tokenizer.ggml.tokens\[100\] is \"Zq\""),
+    "smaller_vocabulary": (lambda toks: toks[:512],
+                           "made for another vocabulary: tokenizer.ggml.tokens holds 512 tokens, the target's 1024"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TARGET_BAD))
+def test_drafter_for_another_tokenizer_is_refused(artifacts, model, tmp_path, case):
+    change, message = TARGET_BAD[case]
+    src = artifacts["llama"]["drafter"]
+    bad = _rewrite(src, tmp_path / f"{case}.gguf", keys={"tokenizer.ggml.tokens": (change(_tokens(src)), ARR, STR)})
+    check_drafter(bad)  # sound alone
+    with pytest.raises(DFlashError, match=message):
+        check_drafter(bad, model)
+    with pytest.raises(DFlashError, match=message):
+        check_drafter(bad, artifacts["llama"]["target"])  # a target path: its vocabulary loaded alone
+    with pytest.raises(DFlashError, match=message):
         Drafter(bad, model, n_ctx=64, n_threads=1)
 
 

@@ -247,6 +247,25 @@ def test_n_rs_seq_bounds_the_drafts(hybrid):
         llm.close()
 
 
+def test_rollback_architectures_are_llama_cpps(hybrid):
+    """engine.RS_ROLLBACK_ARCHS (what a vocab-only load answers from) agrees with what the loaded
+    libllama grants: a context asking for snapshots gets them for qwen35 and lfm2, 0 for mamba."""
+    from llama_dflash.core import engine
+
+    for name, rolls in (("q8", True), ("lfm2", True), ("mamba", False)):
+        m = llama_cpp.llama_model_load_from_file(hybrid[name]["target"].encode(),
+                                                 llama_cpp.llama_model_default_params())
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_rs_seq = 256, 8, 8, 2
+        ctx = llama_cpp.llama_init_from_model(m, cp)
+        try:
+            assert (llama_cpp.llama_n_rs_seq(ctx) == 2) == rolls == (engine.arch(m) in engine.RS_ROLLBACK_ARCHS)
+            assert (engine.target_refusal(m) is None) == rolls
+        finally:
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(m)
+
+
 def test_a_ubatch_too_small_for_snapshots_is_refused(hybrid):
     """llama.cpp aborts a decode unless n_ubatch exceeds n_rs_seq + 1: refused up front instead."""
     a = hybrid["q8"]

@@ -4,6 +4,7 @@
 //   select.c host-side choice of the drafted tokens: greedy, p_min, filter, sampling, walk
 //   draft.c  one graph run (inputs, compute, outputs) and the public draft calls
 //   state.c  sequence states: context caches and queued features
+//   vocab.c  the drafter's tokenizer, read and compared with the target's
 #pragma once
 
 #include "dflash.h"
@@ -111,6 +112,13 @@ struct dflash_graph {
 // f32 GEMM (llamafile's sgemm) takes K.Q only for key counts that are multiples of 4 and V.softmax
 // only for multiples of 16; otherwise each block row dots each key separately.
 #define DFLASH_KV_PAD 16
+
+// vocab.c: the file's token list (required, valid UTF-8) -> its size; the same list as the target's
+struct gguf_context;
+struct llama_model;
+bool dflash_vocab_read(const struct gguf_context * g, const char * path, int32_t * n_tokens, char * err, size_t err_len);
+bool dflash_vocab_match(const struct gguf_context * g, const struct llama_model * target, const char * path,
+                        char * err, size_t err_len);
 
 bool dflash_build_graph(struct dflash_drafter * d, struct dflash_graph * G, struct dflash_state ** sts,
                         int32_t n_seq, int32_t n_block, bool want_logits, bool want_topk, bool want_probs);

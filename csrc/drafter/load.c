@@ -18,6 +18,7 @@
 #include "llama.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -197,7 +198,16 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
     }
     if (!(hp->rms_eps > 0.0f && hp->rms_eps < 1.0f)) FAIL("'%s': rms epsilon %g is outside (0, 1)", path, (double) hp->rms_eps);
     if (!(hp->rope_theta > 0.0f)) FAIL("'%s': rope freq_base %g must be positive", path, (double) hp->rope_theta);
-    if (hp->n_ctx_train < 1) FAIL("'%s': context_length must be positive", path);
+    if (hp->n_ctx_train < hp->block_size) {
+        FAIL("'%s': dflash.context_length %d is shorter than one block (block_size %d)", path, hp->n_ctx_train, hp->block_size);
+    }
+    for (int32_t i = 0; i < hp->n_taps; i++) {
+        for (int32_t j = 0; j < i; j++) {
+            if (hp->target_layers[i] == hp->target_layers[j]) {
+                FAIL("'%s': dflash.target_layers taps layer %d twice", path, hp->target_layers[i]);
+            }
+        }
+    }
     for (int32_t i = 1; i < hp->n_rope_sections; i++) {
         // M-RoPE drafts carry [head_dim/2, 0, 0, 0]: plain 1-D positions
         if (hp->rope_sections[i] != 0) FAIL("'%s': multi-axis rope sections are not supported", path);
@@ -209,7 +219,7 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
     if (hp->softcap < 0.0f) FAIL("'%s': final_logit_softcapping %g is negative", path, (double) hp->softcap);
     if (hp->version == 2) {
         if (hp->conv_kernel_size < 1 || hp->conv_kernel_size > 8) FAIL("'%s': conv_kernel_size %d is outside 1..8", path, hp->conv_kernel_size);
-        if (hp->selector_top_k < 1 || hp->selector_top_k > 64) FAIL("'%s': selector_top_k %d is outside 1..64", path, hp->selector_top_k);
+        if (hp->selector_top_k < 1 || hp->selector_top_k > DFLASH_MAX_TOP_K) FAIL("'%s': selector_top_k %d is outside 1..%d", path, hp->selector_top_k, DFLASH_MAX_TOP_K);
         if (hp->selector_rank < 1 || hp->conv_group_size < 1 || hp->n_embd % hp->conv_group_size != 0) {
             FAIL("'%s': conv_group_size %d must divide the hidden size %d (selector_rank %d)", path, hp->conv_group_size,
                  hp->n_embd, hp->selector_rank);
@@ -415,6 +425,7 @@ static bool file_open(struct drafter_file * f, struct dflash_drafter_info * hp, 
 #undef X
     // DFlash2 is detected as upstream does, by the selector tensor; its keys are then required.
     if (!read_keys(hp, f->g, ggml_get_tensor(f->meta, "selector_hidden.weight") != NULL, path, err, err_len)) return false;
+    if (!dflash_vocab_read(f->g, path, &hp->n_vocab, err, err_len)) return false;
     const struct ggml_tensor * d2t = ggml_get_tensor(f->meta, "d2t");
     if (d2t) {
         // upstream's layout: absolute target ids, I64, one per row of the drafter's own head
@@ -467,10 +478,21 @@ static bool check_vocab(struct dflash_drafter_info * hp, const char * path, char
     return true;
 }
 
-static bool validate_target(struct dflash_drafter_info * hp, const struct llama_model * target, const char * path,
-                            char * err, size_t err_len) {
-    const int32_t t_embd = llama_model_n_embd(target);
-    const int32_t t_layer = llama_model_n_layer(target);
+// A target hyper-parameter: the model's own, or from its metadata where a vocab-only load
+// (dflash_drafter_check's target) left it 0.
+static int32_t target_hparam(const struct llama_model * m, int32_t have, const char * suffix) {
+    char arch[64], key[128], val[32];
+    if (have > 0 || llama_model_meta_val_str(m, "general.architecture", arch, sizeof(arch)) < 0) return have;
+    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    return llama_model_meta_val_str(m, key, val, sizeof(val)) < 0 ? have : (int32_t) strtol(val, NULL, 10);
+}
+
+// The file against its target: the same tokenizer, its hidden size, taps inside it.
+static bool validate_target(struct dflash_drafter_info * hp, const struct gguf_context * g,
+                            const struct llama_model * target, const char * path, char * err, size_t err_len) {
+    if (!dflash_vocab_match(g, target, path, err, err_len)) return false;
+    const int32_t t_embd = target_hparam(target, llama_model_n_embd(target), "embedding_length");
+    const int32_t t_layer = target_hparam(target, llama_model_n_layer(target), "block_count");
     hp->n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(target));
     if (!check_vocab(hp, path, err, err_len)) return false;
     if (hp->n_embd != t_embd) FAIL("drafter '%s' has hidden size %d but the target has %d", path, hp->n_embd, t_embd);
@@ -485,20 +507,16 @@ static bool validate_target(struct dflash_drafter_info * hp, const struct llama_
     return true;
 }
 
-int32_t dflash_drafter_check(const char * path, struct dflash_drafter_info * out, char * err, size_t err_len) {
+int32_t dflash_drafter_check(const char * path, const struct llama_model * target, struct dflash_drafter_info * out,
+                             char * err, size_t err_len) {
     struct dflash_drafter_info hp;
     struct drafter_file f;
     struct file_tensors * ft = calloc(1, sizeof(*ft));
     bool ok = ft && file_open(&f, &hp, path, err, err_len);
-    if (ok) {
-        const int64_t id = gguf_find_key(f.g, "tokenizer.ggml.tokens");
-        if (id >= 0 && gguf_get_kv_type(f.g, id) == GGUF_TYPE_ARRAY) {
-            hp.n_vocab = (int32_t) gguf_get_arr_n(f.g, id);
-            ok = check_vocab(&hp, path, err, err_len);
-        }
-    }
+    // (file_open took n_vocab from the file's own tokenizer)
+    ok = ok && (target ? validate_target(&hp, f.g, target, path, err, err_len) : check_vocab(&hp, path, err, err_len));
     ok = ok && find_tensors(&hp, f.g, f.meta, ft, path, err, err_len);
-    if (ok && ft->w.d2t && hp.n_vocab > 0) {
+    if (ok && ft->w.d2t) {
         FILE * fp = fopen(path, "rb");
         int64_t * ids = malloc(sizeof(int64_t) * (size_t) hp.n_vocab_draft);
         ok = fp && ids && read_tensor_bytes(fp, f.g, "d2t", ids, sizeof(int64_t) * (size_t) hp.n_vocab_draft);
@@ -808,7 +826,7 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
     struct drafter_file f = { 0 };
     bool ok = d && ft;
     if (!ok) dflash_seterr(err, err_len, "out of memory loading a drafter");
-    ok = ok && file_open(&f, &d->hp, path, err, err_len) && validate_target(&d->hp, target, path, err, err_len) &&
+    ok = ok && file_open(&f, &d->hp, path, err, err_len) && validate_target(&d->hp, f.g, target, path, err, err_len) &&
          find_tensors(&d->hp, f.g, f.meta, ft, path, err, err_len);
     if (ok) {
         d->n_embd_inp = d->hp.n_taps * d->hp.n_embd;

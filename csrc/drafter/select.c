@@ -25,7 +25,7 @@
 // into the filter.
 int32_t dflash_choose(const float * x, const int32_t * c, int32_t k, struct dflash_sample_req * samp, float * q) {
     struct dflash_token_filter * f = samp ? samp->filter : NULL;
-    float masked[DFLASH_V1_SAMPLE_K > 64 ? DFLASH_V1_SAMPLE_K : 64];
+    float masked[DFLASH_V1_SAMPLE_K > DFLASH_MAX_TOP_K ? DFLASH_V1_SAMPLE_K : DFLASH_MAX_TOP_K];
     const float * row = x;
     if (f) {
         int32_t best = -1, n_ok = 0, top = 0;
@@ -104,8 +104,9 @@ int32_t dflash_cuda_devices(void) {
 int32_t dflash_walk_lattice(int32_t on_cuda, const int32_t * cand, const float * scores, int32_t n, int32_t K,
                             float temperature, uint64_t seed, float p_min, int32_t * out_tokens, float * out_q,
                             float * out_conf, char * err, size_t err_len) {
-    if (n < 1 || n > DFLASH_MAX_DRAFT || K < 1 || K > 64) {
-        dflash_seterr(err, err_len, "walk_lattice: n %d must be in 1..%d and K %d in 1..64", n, DFLASH_MAX_DRAFT, K);
+    if (n < 1 || n > DFLASH_MAX_DRAFT || K < 1 || K > DFLASH_MAX_TOP_K) {
+        dflash_seterr(err, err_len, "walk_lattice: n %d must be in 1..%d and K %d in 1..%d", n, DFLASH_MAX_DRAFT, K,
+                      DFLASH_MAX_TOP_K);
         return -1;
     }
     struct dflash_rng rng;

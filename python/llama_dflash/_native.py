@@ -123,6 +123,11 @@ class Tokenizer(Resource):
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
+    @property
+    def model(self):
+        """The vocab-only ``llama_model`` (valid until close)."""
+        return self._model
+
     def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list[int]:
         return tokenize(self._vocab, text, add_bos, special)
 

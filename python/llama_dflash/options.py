@@ -17,7 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-MAX_PARALLEL = 64  # sequences one group decodes together (a joint batch holds a row of each)
+from ._native import lib
+
+MAX_PARALLEL = lib.DFLASH_MAX_SEQ_GROUP  # sequences one group decodes together (a joint batch holds a row of each)
+
 
 def _opt(default: Any, doc: str, annotation: Any, check: Callable[[str, Any], Any],
          server_default: Any = dataclasses.MISSING) -> Any:

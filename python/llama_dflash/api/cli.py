@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import options
+from .._native import lib
 from ..errors import DFlashError
 from ..formats.gguf import OUTTYPES
 from ..train.store import FORMATS as FEATURE_FORMATS
@@ -75,7 +76,7 @@ SPECULATION_HELP = options.doc("speculation").replace("draft_n_max", "--draft-le
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_int(1), default=128)
-    p.add_argument("--draft-len", type=_int(0, 64), default=None,
+    p.add_argument("--draft-len", type=_int(0, lib.DFLASH_MAX_DRAFT), default=None,
                    help="longest draft per step (auto) / tokens drafted per step (on); default: block - 1")
     p.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     p.add_argument("--n-ctx", type=_int(1, 2**24), default=2048)
@@ -363,15 +364,13 @@ def cmd_quantize(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from ..formats import describe
+    from ..formats.inspect import describe, fit
 
     info = describe(a.file)
-    fit = None
-    if a.target:
-        fit = _check_fit(a.file, a.target)
+    verdict = fit(a.file, a.target) if a.target else None
     if a.json:
-        print(json.dumps({**info, "fits_target": fit}))
-        return 0 if fit is None or fit["ok"] else 1
+        print(json.dumps({**info, "fits_target": verdict}))
+        return 0 if verdict is None or verdict["ok"] else 1
     print(f"{info['file']}: DFlash{'2' if info['version'] == 2 else ''} drafter, {info['bytes'] / 2**20:.1f} MiB")
     print(f"  block size {info['block_size']}, taps {info['target_layers']} (HF ids), mask token "
           f"{info['mask_token_id']}")
@@ -385,29 +384,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"  {info['n_tensors']} tensors: " + ", ".join(f"{n} {k}" for k, n in info["types"].items()))
     for name, shape, typ in info["tensors"]:
         print(f"    {name:40s} {str(shape):24s} {typ}")
-    if fit is not None:
-        print(f"target {a.target}: " + ("fits" if fit["ok"] else f"does not fit: {fit['error']}"))
-    return 0 if fit is None or fit["ok"] else 1
-
-
-def _check_fit(drafter: str, target: str) -> dict:
-    """Load both with the runtime's own validation (no context needed)."""
-    import llama_cpp
-
-    from ..core.drafter import Drafter
-    from ..errors import check_file
-
-    check_file(target, "target model")
-    model = llama_cpp.llama_model_load_from_file(target.encode(), llama_cpp.llama_model_default_params())
-    if not model:
-        raise DFlashError(f"cannot load target model {target!r}")
-    try:
-        Drafter(drafter, model, n_ctx=64, n_threads=1).close()
-        return {"ok": True, "error": None}
-    except DFlashError as e:
-        return {"ok": False, "error": str(e)}
-    finally:
-        llama_cpp.llama_model_free(model)
+    if verdict is not None:
+        print(f"target {a.target}: " + ("speculates with this drafter" if verdict["ok"]
+                                        else f"will not speculate: {verdict['error']}"))
+    return 0 if verdict is None or verdict["ok"] else 1
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
@@ -527,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--drafter", default=None, help="drafter GGUF (default with the embedded model: the shipped one)")
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--max-tokens", type=_int(1), default=256)
-    ch.add_argument("--draft-len", type=_int(0, 64), default=None)
+    ch.add_argument("--draft-len", type=_int(0, lib.DFLASH_MAX_DRAFT), default=None)
     ch.add_argument("--speculation", choices=SPECULATION, default="auto", help=SPECULATION_HELP)
     ch.add_argument("--n-ctx", type=_int(1, 2**24), default=4096)
     ch.add_argument("--threads", type=_int(1, 1024), default=None)
@@ -620,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True)
     q.add_argument("--verbose", action="store_true")
     q.set_defaults(func=cmd_quantize)
-    i = sub.add_parser("inspect", help="describe a drafter GGUF (and whether it fits a target)")
+    i = sub.add_parser("inspect", help="describe a drafter GGUF (and whether it speculates with a target)")
     i.add_argument("file")
     i.add_argument("--target", default=None)
     i.add_argument("--json", action="store_true")

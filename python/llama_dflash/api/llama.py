@@ -31,8 +31,8 @@ from .. import options
 from ..core import exact as exact_mode
 from ..core import kernels as _kernels
 from ..core import rpc
-from ..core.engine import DraftSource, EngineCore, EngineRequest, StepCallback
-from ..core.group import EngineGroup, JointBatchesDiffer
+from ..core.engine import DraftSource, EngineCore, EngineRequest, JointBatchesDiffer, StepCallback
+from ..core.group import EngineGroup
 from ..core.sampling import SamplingParams
 from ..core.stats import Acceptance, SpecStats
 from ..errors import DFlashError, check_file

@@ -16,7 +16,9 @@ from .. import _native
 from .._native import ffi, lib
 from ..errors import DFlashError
 
-MODES = {"auto": 0, "layer_inp": 1, "cb_eval": 2}
+# enum dflash_capture_mode (csrc/dflash.h) by name; 0 lets the core choose
+MODES = {"auto": 0, "layer_inp": lib.DFLASH_CAPTURE_LAYER_INP, "cb_eval": lib.DFLASH_CAPTURE_CB_EVAL}
+MODE_NAMES = {v: k for k, v in MODES.items() if v}
 
 
 class Capture(_native.Resource):
@@ -39,7 +41,7 @@ class Capture(_native.Resource):
             raise DFlashError(_native.err_str(err))
         self._c = c
         self.taps = taps
-        self.mode = {1: "layer_inp", 2: "cb_eval"}[lib.dflash_capture_mode(c)]
+        self.mode = MODE_NAMES[lib.dflash_capture_mode(c)]
         self.width = int(lib.dflash_capture_row_width(c))  # values per row: n_taps * n_embd
 
     @property

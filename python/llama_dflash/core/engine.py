@@ -7,6 +7,8 @@ context is created (``prepare_context``) -- creates the C engine (``attach``) an
 generations described by one typed ``EngineRequest``.  ``SpeculativeGenerator`` and
 ``llama_dflash.Llama`` (and through them the server and the CLI) are adapters over it: a
 parameter travels entry point -> ``EngineRequest`` -> ``struct dflash_engine_params``.
+``JointEngines`` holds the native side of several sequences stepped together (the group's
+context, capture and per-sequence engines); ``core/group.py`` schedules them without a handle.
 """
 
 from __future__ import annotations
@@ -118,10 +120,6 @@ class Run:
                         ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(p, (self.core.n_vocab,))
 
-    def set_draft_len(self, n: int) -> None:
-        """Draft length of the following steps (0: plain steps)."""
-        lib.dflash_engine_set_draft_len(self.engine, n)
-
     def stats(self) -> SpecStats:
         st = ffi.new("struct dflash_stats *")
         lib.dflash_engine_get_stats(self.engine, st)
@@ -138,27 +136,37 @@ class Run:
         return s
 
 
-def _arch(model) -> str:
+# drafts a caller's draft source (no drafter: no block size) may propose a step; the exact probe covers them
+SOURCE_MAX_DRAFT = exact_mode.PROBE_ROWS - 1
+
+# Architectures whose recurrent state llama.cpp snapshots per token (n_rs_seq), so that rejected drafts
+# can be rolled back: llm_arch_supports_rs_rollback in the pinned libllama (src/llama-arch.cpp); it
+# clamps n_rs_seq to 0 for every other one (tests/test_hybrid.py holds this list to it).
+RS_ROLLBACK_ARCHS = frozenset({"bailingmoe3", "deepseek4", "glm5-next", "kimi-k3", "lfm2", "lfm2moe", "nemotron_h",
+                               "nemotron_h_moe", "qwen35", "qwen35moe", "qwen4exp"})
+
+
+def arch(model) -> str:
+    """The model's ``general.architecture``."""
     buf = ctypes.create_string_buffer(64)
     n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
     return buf.value.decode(errors="replace") if n >= 0 else "?"
 
 
-def rollback_supported(model) -> bool:
-    """Whether llama.cpp keeps per-token snapshots of this recurrent / hybrid target's state
-    (``llm_arch_supports_rs_rollback``, internal): a throw-away context asks for one and reads
-    back what it got (llama.cpp clamps ``n_rs_seq`` to 0 for the other architectures)."""
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.n_rs_seq = 256, 8, 8, 1, 1
-    cp.n_threads = cp.n_threads_batch = 1
-    cp.no_perf = True
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    if not ctx:
-        raise DFlashError("cannot create a context to check the target's recurrent-state rollback")
-    try:
-        return int(llama_cpp.llama_n_rs_seq(ctx)) > 0
-    finally:
-        llama_cpp.llama_free(ctx)
+def has_recurrent_state(model) -> bool:
+    lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
+    return bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+
+
+def target_refusal(model) -> str | None:
+    """Why this target model cannot speculate, in one line, or None when it can (a vocab-only
+    load suffices: ``llama-dflash inspect --target`` asks the same question).  A recurrent / hybrid
+    target speculates where llama.cpp keeps snapshots of its recurrent state to roll back to."""
+    if has_recurrent_state(model) and (name := arch(model)) not in RS_ROLLBACK_ARCHS:
+        kind = "hybrid" if llama_cpp.llama_cpp.llama_model_is_hybrid(model) else "recurrent"
+        return (f"{kind} target '{name}': llama.cpp keeps no snapshots of its recurrent state (n_rs_seq is "
+                "clamped to 0), so it cannot roll back rejected drafts: plain decoding")
+    return None
 
 
 class EngineCore(_native.Resource):
@@ -208,17 +216,10 @@ class EngineCore(_native.Resource):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.drafter_info: DrafterConfig | None = None
         self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
+        self.unavailable = target_refusal(model)
         self._draft_n_max = draft_n_max
         # recurrent state (None: a KV cache only): its rollback depth is the context's n_rs_seq
-        self.n_rs_seq: int | None = None
-        lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
-        if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-            self.n_rs_seq = 0
-            if not rollback_supported(model):
-                kind = "hybrid" if lc.llama_model_is_hybrid(model) else "recurrent"
-                self.unavailable = (f"{kind} target '{_arch(model)}': llama.cpp keeps no snapshots of its recurrent "
-                                    "state (n_rs_seq is clamped to 0), so it cannot roll back rejected drafts: "
-                                    "plain decoding")
+        self.n_rs_seq: int | None = 0 if has_recurrent_state(model) else None
         taps = list(capture_layers or [])
         if drafter_path is not None:
             self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
@@ -273,7 +274,7 @@ class EngineCore(_native.Resource):
         one more copy of the recurrent state: bench/bench_hybrid.py), in exact mode no more than its
         invariant drafts; llama.cpp keeps a batch's last n_rs_seq + 1 rows in one ubatch and aborts
         unless n_ubatch exceeds them."""
-        n = self.drafter_info.max_draft if self.drafter_info else 15  # (an external source: a usual block)
+        n = self.drafter_info.max_draft if self.drafter_info else SOURCE_MAX_DRAFT
         if self._draft_n_max is not None:
             n = min(n, self._draft_n_max)
         if self.exact is not None:
@@ -289,8 +290,8 @@ class EngineCore(_native.Resource):
         if self.unavailable is None and self.n_rs_seq is not None:
             got = int(llama_cpp.llama_n_rs_seq(ctx))
             if got < 1:  # (a context created without prepare_context's n_rs_seq, or clamped)
-                raise DFlashError(f"the {_arch(self._model)} target's context keeps no recurrent-state snapshots "
-                                  "(n_rs_seq 0): rejected drafts could not be rolled back")
+                raise DFlashError(f"the {arch(self._model)} target's context keeps no recurrent-state snapshots "
+                                  "(llama.cpp clamped n_rs_seq to 0): rejected drafts could not be rolled back")
             self.n_rs_seq = got
         if self.unavailable is not None:
             self.ctx = ctx
@@ -427,7 +428,7 @@ class EngineCore(_native.Resource):
             self._cost_key = policy.cost_key(model_path, drafter_path, self._n_threads, placement, mode)
             if policy.load(self._engine, self._cost_key):
                 return
-        n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, 15)
+        n = self.max_draft_len if self._drafter is not None else min(self.max_draft_len, SOURCE_MAX_DRAFT)
         if self.n_ctx >= 4:  # (the C core times what a small context or batch allows)
             policy.measure(self._engine, n + 1, n)
             self.forget()
@@ -492,6 +493,111 @@ class EngineCore(_native.Resource):
         if getattr(self, "_drafter", None):
             self._drafter.close()
         self._drafter = None
+        if getattr(self, "_capture", None) is not None:
+            self._capture.close()
+        self._capture = None
+
+
+class JointBatchesDiffer(DFlashError):
+    """Exact mode: joint batches of several sequences do not round as plain decoding does."""
+
+
+class JointEngines(_native.Resource):
+    """The native side of a group of sequences (core/group.py schedules them, holding no handle):
+    one target context on ``core``'s model with a KV stream per sequence, its capture, and a C
+    engine per sequence over the core's drafter, seeded with the core's cost model.
+
+    cparams: the core's ``llama_context_params`` (copied, then sized for n_seq x n_ctx).
+    max_rows: exact mode's proven rows (0: the default mode); in exact mode the context gets the
+    reference kernels and its joint batches are checked against plain decoding first
+    (JointBatchesDiffer if they round apart)."""
+
+    def __init__(self, core: EngineCore, cparams, n_seq: int, n_ctx: int, max_rows: int) -> None:
+        self._ctx = self._capture = None
+        self._engines: list = []
+        cp = type(cparams).from_buffer_copy(cparams)
+        cp.n_ctx = n_seq * n_ctx
+        cp.n_seq_max = n_seq
+        # A KV stream per sequence: a row's attention spans its own sequence's cells only (in one cache it
+        # spans every slot's: 1.6x slower for 8 x 1 rows at 400 positions each), its cells stay in
+        # position order (in one cache a rolled-back draft's cells go to whichever sequence comes next,
+        # and attention then sums them in another order: exact mode would break), and its rows round
+        # as they do alone more often.  Joint decodes keep equal rows per sequence (C side) so that
+        # llama.cpp's split by sequence stays one ubatch.  Measured: bench/RESULTS.md, "Concurrent".
+        cp.kv_unified = False
+        cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
+        cp.cb_eval_user_data = None
+        taps = list(core.drafter_info.target_layers) if core.has_drafter else []
+        if taps:
+            self._capture = Capture(core._model, taps, int(cp.n_batch), core.capture_mode)
+            self._capture.install(cp)
+        self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
+        if not self._ctx:
+            self.close()
+            raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
+        try:
+            if self._capture is not None:
+                self._capture.attach(self._ctx)
+            if core.exact is not None:  # the rounding of the core's context, and a check that joint batches keep it
+                exact_mode.reference_kernels(self._ctx)
+                gap = exact_mode.joint_check(self._ctx, core.ctx, core._model, core._model_path, n_seq, max_rows,
+                                             core._n_threads, core._exact_repacked)
+                if gap != 0.0:
+                    raise JointBatchesDiffer(f"joint batches of {n_seq} sequences round apart from plain decoding "
+                                             f"(logit gap {gap:.3g}): requests are served one at a time")
+            drafter = core.drafter.handle if core.has_drafter else ffi.NULL
+            ctx_c, err = _native.ptr("struct llama_context *", self._ctx), _native.err_buf()
+            for s in range(n_seq):
+                e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture.handle if self._capture else ffi.NULL, s,
+                                              err, _native.ERR_LEN)
+                if e == ffi.NULL:
+                    raise DFlashError(_native.err_str(err))
+                self._engines.append(e)
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq)  # positions per sequence
+        self._max_rows = max_rows
+        self._copy_costs(core)
+
+    def _copy_costs(self, core: EngineCore) -> None:
+        """The core's cost model and calibration (if it has one): each sequence's prior."""
+        costs = ffi.new("struct dflash_costs *")
+        cal = ffi.new("struct dflash_calibration *")
+        if core._engine is None or not lib.dflash_engine_get_costs(core._engine, costs):
+            return
+        lib.dflash_engine_get_calibration(core._engine, cal)
+        for e in self._engines:
+            lib.dflash_engine_set_costs(e, costs)
+            lib.dflash_engine_set_calibration(e, cal)
+
+    def start(self, core: EngineCore, slot: int, tokens: list[int], req: EngineRequest,
+              history: Sequence[int] = ()) -> contextlib.AbstractContextManager[Run]:
+        """A Run of one generation on the sequence `slot`'s engine (see ``EngineCore.run``)."""
+        return core.run(tokens, req, history=history, engine=self._engines[slot])
+
+    def prefill(self, slot: int, run: Run, n_tokens: int, err) -> int:
+        """The prompt of `run` into its sequence: the first generated token (checked by run)."""
+        first = lib.dflash_engine_start(self._engines[slot], run.prompt_c, n_tokens, run.params, ffi.NULL, err,
+                                        _native.ERR_LEN)
+        run.check(first, err)
+        return first
+
+    def step(self, slots: Sequence[int], out, counts, err) -> bool:
+        """One joint decode of the sequences `slots` (their draft, one verify batch, accept): each
+        one's tokens into out (DFLASH_MAX_ROWS apart), their number into counts (< 0: its error).
+        False when the whole step failed (err says why)."""
+        engines = ffi.new("dflash_engine *[]", [self._engines[s] for s in slots])
+        return lib.dflash_engine_step_group(engines, len(slots), self._max_rows, out, counts, err,
+                                            _native.ERR_LEN) == 0
+
+    def close(self) -> None:
+        for e in getattr(self, "_engines", []):
+            lib.dflash_engine_free(e)
+        self._engines = []
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+        self._ctx = None
         if getattr(self, "_capture", None) is not None:
             self._capture.close()
         self._capture = None

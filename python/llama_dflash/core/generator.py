@@ -16,7 +16,7 @@ from ..errors import DFlashError, check_file
 from ..formats.config import DrafterConfig
 from . import exact as exact_mode
 from . import rpc
-from .engine import DraftSource, EngineCore, EngineRequest, StepCallback
+from .engine import SOURCE_MAX_DRAFT, DraftSource, EngineCore, EngineRequest, StepCallback
 from .sampling import SamplingParams
 from .stats import SpecStats
 
@@ -297,7 +297,7 @@ class SpeculativeGenerator(_native.Resource):
         if draft_len is None:
             draft_len = self.max_draft_len if (self._core.has_drafter or draft_source) else 0
             if draft_source and not self._core.has_drafter:
-                draft_len = min(draft_len, 15)
+                draft_len = min(draft_len, SOURCE_MAX_DRAFT)
         if speculation == "off":
             draft_len = 0
         req = EngineRequest(max_tokens=max_tokens, draft_len=draft_len, p_min=p_min, stop_on_eos=stop_on_eos,

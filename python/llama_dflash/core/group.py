@@ -3,9 +3,9 @@
 On a compute-bound CPU one ``llama_decode`` of R rows costs far less than R decodes of one row
 (measured here: 4 sequences' rows in one batch take 0.5-0.7x the time of their separate decodes),
 so a server with several requests in flight serves them faster together than in turn.  An
-``EngineGroup`` owns a second context on the core's model with one sequence per slot (a KV
-stream each), a sequence engine per slot (its own drafter state: the drafter's weights are
-shared) and a scheduler thread.  Each scheduler round admits waiting generations into free
+``EngineGroup`` runs a scheduler thread over ``JointEngines`` (core/engine.py, which owns the
+native side): a second context on the core's model with one sequence per slot (a KV stream
+each) and a sequence engine per slot (its own drafter state: the drafter's weights are shared).  Each scheduler round admits waiting generations into free
 slots (their prefill), then runs ``dflash_engine_step_group``: every active sequence drafts, and
 one decode verifies all their rows.  Adaptive sequences price their rows at what they add to the
 joint batch, so under load drafting only goes on where it still pays.
@@ -26,14 +26,10 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
-import llama_cpp
-
 from .. import _native, options
 from .._native import ffi, lib
 from ..errors import DFlashError
-from . import exact as exact_mode
-from .capture import Capture
-from .engine import EngineCore, EngineRequest, Run
+from .engine import EngineCore, EngineRequest, JointEngines, Run
 from .stats import SpecStats
 
 Hold = Callable[[], contextlib.AbstractContextManager]
@@ -89,10 +85,6 @@ class GroupSequence:
         return self._cancelled.is_set()
 
 
-class JointBatchesDiffer(DFlashError):
-    """Exact mode: this target's joint batches of several sequences do not round as plain decoding."""
-
-
 class EngineGroup(_native.Resource):
     """n_seq generations at a time on ``core``'s model, each of up to ``n_ctx`` positions.
 
@@ -107,8 +99,7 @@ class EngineGroup(_native.Resource):
         if not 2 <= n_seq <= min(options.MAX_PARALLEL, int(cparams.n_batch)):
             raise ValueError(f"a group takes 2..min({options.MAX_PARALLEL}, n_batch {cparams.n_batch}) sequences, "
                              f"got {n_seq}")
-        self._ctx = self._capture = None
-        self._engines: list = []
+        self._native: JointEngines | None = None
         self._thread: threading.Thread | None = None
         self.core, self.n_seq, self._hold, self._on_done = core, n_seq, hold, on_done
         # exact mode: joint batches no larger than the self-check proved bit-identical to one-row decoding
@@ -116,51 +107,8 @@ class EngineGroup(_native.Resource):
         if core.exact is not None and n_seq > self._max_rows:
             raise ValueError(f"exact mode: {n_seq} concurrent sequences exceed the {self._max_rows} rows its "
                              "self-check proved invariant (use parallel <= that)")
-        cp = type(cparams).from_buffer_copy(cparams)
-        cp.n_ctx = n_seq * n_ctx
-        cp.n_seq_max = n_seq
-        # A KV stream per sequence: a row's attention spans its own sequence's cells only (in one cache it
-        # spans every slot's: 1.6x slower for 8 x 1 rows at 400 positions each), its cells stay in
-        # position order (in one cache a rolled-back draft's cells go to whichever sequence comes next,
-        # and attention then sums them in another order: exact mode would break), and its rows round
-        # as they do alone more often.  Joint decodes keep equal rows per sequence (C side) so that
-        # llama.cpp's split by sequence stays one ubatch.  Measured: bench/RESULTS.md, "Concurrent".
-        cp.kv_unified = False
-        cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # not the core's capture
-        cp.cb_eval_user_data = None
-        taps = list(core.drafter_info.target_layers) if core.has_drafter else []
-        if taps:
-            self._capture = Capture(core._model, taps, int(cp.n_batch), core.capture_mode)
-            self._capture.install(cp)
-        self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
-        if not self._ctx:
-            self.close()
-            raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
-        if self._capture is not None:
-            try:
-                self._capture.attach(self._ctx)
-            except DFlashError:
-                self.close()
-                raise
-        if core.exact is not None:  # the rounding of the core's context, and a check that joint batches keep it
-            exact_mode.reference_kernels(self._ctx)
-            gap = exact_mode.joint_check(self._ctx, core.ctx, core._model, core._model_path, n_seq, self._max_rows,
-                                         core._n_threads, core._exact_repacked)
-            if gap != 0.0:
-                self.close()
-                raise JointBatchesDiffer(f"joint batches of {n_seq} sequences round apart from plain decoding "
-                                         f"(logit gap {gap:.3g}): requests are served one at a time")
-        drafter = core.drafter.handle if core.has_drafter else ffi.NULL
-        ctx_c, err = _native.ptr("struct llama_context *", self._ctx), _native.err_buf()
-        for s in range(n_seq):
-            e = lib.dflash_engine_new_seq(ctx_c, drafter, self._capture.handle if self._capture else ffi.NULL, s, err,
-                                          _native.ERR_LEN)
-            if e == ffi.NULL:
-                self.close()
-                raise DFlashError(_native.err_str(err))
-            self._engines.append(e)
-        self.n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(self._ctx)) // n_seq)
-        self._copy_costs()  # the core's cost model and calibration (if it has one): each slot's prior
+        self._native = JointEngines(core, cparams, n_seq, n_ctx, self._max_rows)  # (JointBatchesDiffer)
+        self.n_ctx = self._native.n_ctx
         self._free = list(range(n_seq))
         self._active: dict[int, GroupSequence] = {}
         self._waiting: collections.deque[GroupSequence] = collections.deque()
@@ -267,9 +215,7 @@ class EngineGroup(_native.Resource):
         live = [s for s in active if s.slot in self._active and s.run is not None]
         if not live:
             return
-        engines = ffi.new("dflash_engine *[]", [self._engines[s.slot] for s in live])
-        if lib.dflash_engine_step_group(engines, len(live), self._max_rows, out, counts, err,
-                                        _native.ERR_LEN) != 0:
+        if not self._native.step([s.slot for s in live], out, counts, err):
             msg = DFlashError(_native.err_str(err))
             for s in live:
                 self._finish(s, msg)
@@ -284,12 +230,9 @@ class EngineGroup(_native.Resource):
                 self._finish(s, None if n == 0 else self._error(s, err))
 
     def _start(self, seq: GroupSequence, err) -> None:
-        core, e = self.core, self._engines[seq.slot]
         try:
-            seq.run = seq.exit.enter_context(core.run(seq.tokens, seq.req, history=seq.history, engine=e))
-            first = lib.dflash_engine_start(e, seq.run.prompt_c, len(seq.tokens), seq.run.params, ffi.NULL, err,
-                                            _native.ERR_LEN)
-            seq.run.check(first, err)
+            seq.run = seq.exit.enter_context(self._native.start(self.core, seq.slot, seq.tokens, seq.req, seq.history))
+            first = self._native.prefill(seq.slot, seq.run, len(seq.tokens), err)
         except BaseException as ex:  # noqa: BLE001 - handed to the caller
             seq.run = None
             self._finish(seq, ex)
@@ -301,16 +244,6 @@ class EngineGroup(_native.Resource):
             seq._out.put((tokens, [seq.run.logits(k).copy() for k in range(len(tokens))]))
         else:
             seq._out.put(tokens)
-
-    def _copy_costs(self) -> None:
-        costs = ffi.new("struct dflash_costs *")
-        cal = ffi.new("struct dflash_calibration *")
-        if not lib.dflash_engine_get_costs(self.core._engine, costs):
-            return
-        lib.dflash_engine_get_calibration(self.core._engine, cal)
-        for e in self._engines:
-            lib.dflash_engine_set_costs(e, costs)
-            lib.dflash_engine_set_calibration(e, cal)
 
     def _error(self, seq: GroupSequence, err) -> BaseException:
         if seq.run is not None and seq.run.errors:
@@ -344,12 +277,6 @@ class EngineGroup(_native.Resource):
             if t is not threading.current_thread():
                 t.join()
             self._thread = None
-        for e in getattr(self, "_engines", []):
-            lib.dflash_engine_free(e)
-        self._engines = []
-        if getattr(self, "_ctx", None):
-            llama_cpp.llama_free(self._ctx)
-        self._ctx = None
-        if getattr(self, "_capture", None) is not None:
-            self._capture.close()
-        self._capture = None
+        if getattr(self, "_native", None) is not None:
+            self._native.close()
+        self._native = None

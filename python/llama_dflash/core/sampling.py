@@ -17,7 +17,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
-from .._native import ffi, ptr
+from .._native import ffi, lib, ptr
 
 MODES = ("match", "rejection")
 
@@ -127,7 +127,9 @@ def build_chain(p: SamplingParams, model, vocab, n_vocab: int, with_dist: bool =
     return s
 
 
-MODE_NAMES = {0: "greedy", 1: "match", 2: "rejection"}  # enum dflash_verify_mode
+# enum dflash_verify_mode (csrc/dflash.h), by name
+MODE_NAMES = {lib.DFLASH_VERIFY_GREEDY: "greedy", lib.DFLASH_VERIFY_MATCH: "match",
+              lib.DFLASH_VERIFY_REJECTION: "rejection"}
 
 
 def verification(p: SamplingParams, model, vocab, n_vocab: int, history: Sequence[int] = ()):
@@ -135,10 +137,10 @@ def verification(p: SamplingParams, model, vocab, n_vocab: int, history: Sequenc
     exact argmax when nothing transforms the logits, else the chain (match) or its transforms
     without the final draw (rejection)."""
     if p.is_plain_greedy:
-        return 0, None
+        return lib.DFLASH_VERIFY_GREEDY, None
     if p.temperature == 0 or p.mode == "match":
-        return 1, build_chain(p, model, vocab, n_vocab, with_dist=True, history=history)
-    return 2, build_chain(p, model, vocab, n_vocab, with_dist=False, history=history)
+        return lib.DFLASH_VERIFY_MATCH, build_chain(p, model, vocab, n_vocab, with_dist=True, history=history)
+    return lib.DFLASH_VERIFY_REJECTION, build_chain(p, model, vocab, n_vocab, with_dist=False, history=history)
 
 
 def grammar_params(p: SamplingParams, chain) -> dict:

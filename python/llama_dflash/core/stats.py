@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .._native import lib
 from . import kernels as _kernels
 
 
@@ -22,6 +23,9 @@ class Acceptance:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+
+# enum dflash_stop_reason (csrc/dflash.h), by name
+STOP_NAMES = {lib.DFLASH_STOP_EOS: "eos", lib.DFLASH_STOP_MAX_TOKENS: "max_tokens"}
 
 @dataclass
 class SpecStats(Acceptance):
@@ -107,7 +111,7 @@ class SpecStats(Acceptance):
             t_draft_s=st.t_draft_s,
             t_verify_s=st.t_verify_s,
             t_total_s=st.t_total_s,
-            stop_reason={1: "eos", 2: "max_tokens"}.get(st.stop_reason, "stopped"),
+            stop_reason=STOP_NAMES.get(st.stop_reason, "stopped"),
             draft_len=draft_len,
             drafter=drafter,
         )

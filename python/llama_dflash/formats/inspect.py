@@ -1,4 +1,5 @@
-"""`llama-dflash inspect`: what a drafter GGUF is, as the loader reads it."""
+"""`llama-dflash inspect`: what a drafter GGUF is, as the loader reads it, and whether it will
+speculate with a given target."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
+from .._native import Tokenizer
+from ..errors import DFlashError, check_file
 from .check import check_drafter
 
 
@@ -28,3 +31,20 @@ def describe(path: str | os.PathLike) -> dict:
         "types": dict(Counter(t.tensor_type.name for t in r.tensors)),
         "tensors": [(t.name, [int(x) for x in t.shape], t.tensor_type.name) for t in r.tensors],
     }
+
+
+def fit(drafter: str | os.PathLike, target: str | os.PathLike) -> dict:
+    """Will this pair speculate?  ``{"ok": bool, "error": the one-line reason or None}`` from the
+    very checks a load makes -- the loader's against the target (tokenizer, hidden size, taps)
+    and the engine's refusal of a target that cannot roll back -- on a vocab-only load of the
+    target (no weights read).  A target that is no readable model raises."""
+    from ..core.engine import target_refusal
+
+    check_file(target, "target model")
+    with Tokenizer(target) as tok:
+        try:
+            check_drafter(drafter, tok.model)
+        except DFlashError as e:
+            return {"ok": False, "error": str(e)}
+        why = target_refusal(tok.model)
+    return {"ok": why is None, "error": why}
