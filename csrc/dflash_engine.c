@@ -43,6 +43,11 @@ struct dflash_engine {
     int32_t n_vocab;
     int32_t n_ctx;
     int32_t n_batch;
+    // Trailing positions the target's memory can drop after a decode: KV caches any (DFLASH_MAX_DRAFT
+    // bounds a step's drafts anyway); recurrent / hybrid memories only llama.cpp's per-token
+    // snapshots of their state, n_rs_seq of them (0: none), and only within the last decode's rows.
+    int32_t rollback_max;
+    bool rs_memory;
     dflash_drafter * drafter;
     dflash_capture * capture;
     dflash_draft_fn draft_fn;
@@ -110,6 +115,9 @@ static dflash_engine * engine_new(struct llama_context * tctx, dflash_drafter * 
         if (info.n_ctx < e->n_ctx) e->n_ctx = info.n_ctx;
     }
     e->n_batch = (int32_t) llama_n_batch(tctx);
+    e->rs_memory = llama_model_is_recurrent(e->model) || llama_model_is_hybrid(e->model);
+    e->rollback_max = e->rs_memory ? (int32_t) llama_n_rs_seq(tctx) : DFLASH_MAX_DRAFT;
+    if (e->rollback_max > DFLASH_MAX_DRAFT) e->rollback_max = DFLASH_MAX_DRAFT;
     e->drafter = d;
     e->capture = c;
     e->seq = seq;
@@ -369,6 +377,10 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
         dflash_seterr(err, err_len, "draft length must be in 0..%d (got %d)", DFLASH_MAX_DRAFT, n_draft);
         return -1;
     }
+    if (n_draft > 0 && e->rollback_max == 0) {
+        dflash_seterr(err, err_len, "this target's recurrent state cannot roll back rejected drafts (n_rs_seq 0)");
+        return -1;
+    }
     if (n_draft > 0 && !e->drafter && !e->draft_fn) {
         dflash_seterr(err, err_len, "draft length %d needs a drafter or a draft source", n_draft);
         return -1;
@@ -430,7 +442,9 @@ int32_t dflash_engine_start(dflash_engine * e, const int32_t * prompt, int32_t n
             const int32_t lim = reuse < e->n_prefilled ? reuse : e->n_prefilled;
             reuse = lim / e->n_batch * e->n_batch;
         }
-        if (reuse > 0 && !llama_memory_seq_rm(mem, e->seq, reuse, -1)) reuse = 0; // no partial removal (recurrent)
+        // a recurrent state keeps no snapshot of an older prefix: reused only when nothing is removed
+        if (e->rs_memory && reuse < e->n_past) reuse = 0;
+        if (reuse > 0 && !llama_memory_seq_rm(mem, e->seq, reuse, -1)) reuse = 0; // no partial removal
     }
     if (reuse > 0) {
         if (e->drafter) dflash_state_truncate(e->st, reuse);
@@ -496,6 +510,7 @@ static int32_t step_prepare(struct dflash_engine * e, int32_t max_rows, int32_t 
     if (n > budget - e->n_gen - 1) n = budget - e->n_gen - 1;
     if (n > e->n_ctx - e->n_past - 1) n = e->n_ctx - e->n_past - 1;
     if (n > max_rows - 1) n = max_rows - 1;  // one llama_decode takes at most n_batch rows
+    if (n > e->rollback_max) n = e->rollback_max;  // rejected drafts must be removable (n_rs_seq snapshots)
     if (n < 0) n = 0;
     const int32_t anchor = e->history[e->n_hist - 1];
 
@@ -667,8 +682,11 @@ static int32_t step_finish(struct dflash_engine * e, const float * feats, double
 
     // Roll back the rejected rows; the drafter gets the kept rows' features.
     const int32_t n_keep = n_acc + 1;
+    // (n_drafted <= rollback_max: a hybrid target restores its recurrent state's snapshot after row
+    // n_acc of this decode; the next decode consumes it)
     if (n_keep < n_drafted + 1 && !llama_memory_seq_rm(llama_get_memory(e->ctx), e->seq, e->n_past + n_keep, -1)) {
-        dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+        dflash_seterr(err, err_len, "the target's memory cannot roll back %d rejected positions (n_rs_seq %d)",
+                      n_drafted + 1 - n_keep, e->rs_memory ? e->rollback_max : -1);
         return -1;
     }
     if (e->drafter && dflash_state_push(e->st, feats, n_keep, err, err_len) != 0) return -1;
@@ -911,6 +929,18 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
     int32_t dtok[DFLASH_MAX_DRAFT];
     int32_t rc = decode(e, toks, prefix, 0, prefix, &feats, err, err_len);
     if (rc == 0 && e->drafter) rc = dflash_state_push(e->st, feats, prefix, err, err_len);
+    // A recurrent state cannot drop a whole batch (its snapshots reach back to the batch's first row
+    // only): after each timed batch the sequence's saved state after the prefix is restored instead.
+    uint8_t * saved = NULL;
+    size_t n_saved = 0;
+    if (rc == 0 && e->rs_memory) {
+        n_saved = llama_state_seq_get_size(e->ctx, e->seq);
+        saved = malloc(n_saved ? n_saved : 1);
+        if (!saved || llama_state_seq_get_data(e->ctx, saved, n_saved, e->seq) != n_saved) {
+            dflash_seterr(err, err_len, "cannot save the target's state to time verify batches");
+            rc = -1;
+        }
+    }
     // Rounds until the curves have a shape a machine can have: a size timed while something else
     // held the cores is timed again (its least time kept), not cached for good.
     for (int32_t round = 0; rc == 0 && round < ROUNDS; round++) {
@@ -923,8 +953,10 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
                 rc = decode(e, toks + prefix, k > 0 ? k : 1, prefix, 0, &feats, err, err_len);
                 const double t = dflash_now() - t0;
                 if (k > 0 && t < bv[k - 1]) bv[k - 1] = t;
-                if (!llama_memory_seq_rm(mem, e->seq, prefix, -1)) {
-                    dflash_seterr(err, err_len, "the target's memory cannot roll back (recurrent or hybrid model?)");
+                const bool back = saved ? llama_state_seq_set_data(e->ctx, saved, n_saved, e->seq) == n_saved
+                                        : llama_memory_seq_rm(mem, e->seq, prefix, -1);
+                if (rc == 0 && !back) {
+                    dflash_seterr(err, err_len, "the target's memory cannot roll back a timed batch");
                     rc = -1;
                 }
             }
@@ -951,6 +983,7 @@ int32_t dflash_engine_measure_costs(dflash_engine * e, int32_t n_rows, int32_t n
         interpolate(c.t_draft, n_draft, have_d);
         if (dflash_costs_plausible(&c)) break;
     }
+    free(saved);
     clear_target(e);
     if (e->drafter) dflash_state_reset(e->st);
     if (rc != 0) return -1;

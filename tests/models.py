@@ -35,7 +35,7 @@ def small_bpe_vocab() -> dict:
 
 @dataclass
 class TargetSpec:
-    arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe
+    arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe | qwen35, lfm2 (hybrid) | mamba (recurrent)
     n_embd: int = 64
     n_layer: int = 6
     n_head: int = 4
@@ -56,6 +56,16 @@ class TargetSpec:
     expert_type: str = "q8_0"
     router_type: str = "f32"
     dequantized: bool = False    # the quantized matrices' values written as f32 (a reference without 8-bit activations)
+    # qwen35 (hybrid): gated-delta-net layers with a full-attention layer every full_attn_interval (lfm2:
+    # short-convolution layers between them);
+    # head_dim n_embd / n_head, RoPE on rope_dims of them (M-RoPE sections); mamba: its SSM sizes too
+    full_attn_interval: int = 3
+    ssm_d_state: int = 16        # GDN head size (keys and values)
+    ssm_n_group: int = 2         # GDN key heads
+    ssm_dt_rank: int = 4         # GDN value heads
+    ssm_d_conv: int = 4
+    rope_dims: int = 8
+    rope_sections: tuple[int, int, int, int] = (2, 1, 1, 0)
 
 
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -84,13 +94,30 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.add_embedding_length(E)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
+    if a == "lfm2":  # (per layer: 0 marks a short-convolution layer)
+        w.add_head_count_kv([spec.n_head_kv if (i + 1) % spec.full_attn_interval == 0 else 0
+                             for i in range(spec.n_layer)])
+        w.add_shortconv_l_cache(spec.ssm_d_conv)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(hd)
-    if a in ("qwen3", "qwen3moe"):
+    w.add_rope_dimension_count(spec.rope_dims if a == "qwen35" else hd)
+    if a in ("qwen3", "qwen3moe", "qwen35"):
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if a in ("qwen35", "mamba"):
+        w.add_ssm_conv_kernel(spec.ssm_d_conv)
+        w.add_ssm_state_size(spec.ssm_d_state)
+    if a == "qwen35":
+        w.add_ssm_inner_size(spec.ssm_d_state * spec.ssm_dt_rank)
+        w.add_ssm_time_step_rank(spec.ssm_dt_rank)
+        w.add_ssm_group_count(spec.ssm_n_group)
+        w.add_full_attention_interval(spec.full_attn_interval)
+        w.add_rope_dimension_sections(list(spec.rope_sections))
+    if a == "mamba":
+        w.add_ssm_inner_size(2 * E)
+        w.add_ssm_time_step_rank(spec.ssm_dt_rank)
     if a == "qwen3moe":
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
@@ -119,7 +146,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
 
     emb = mat(VOCAB, E, 1.0)
     w.add_tensor("token_embd.weight", emb)
-    w.add_tensor("output_norm.weight", norm(E))
+    w.add_tensor("token_embd_norm.weight" if a == "lfm2" else "output_norm.weight", norm(E))
     if not spec.tied:
         head = mat(VOCAB, E, 0.5)
         put("output.weight", head, spec.output_type)
@@ -128,11 +155,26 @@ def write_target(path: str, spec: TargetSpec) -> str:
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(E))
         mt = spec.matrix_type
+        if a == "mamba":
+            _add_mamba(put, w, p, spec, rng, s)
+            continue
+        if a == "qwen35":
+            _add_qwen35(put, w, p, i, spec, rng, s, norm)
+            continue
+        if a == "lfm2" and (i + 1) % spec.full_attn_interval != 0:
+            put(p + "shortconv.in_proj.weight", mat(3 * E, E, s), mt)
+            w.add_tensor(p + "shortconv.conv.weight", mat(E, spec.ssm_d_conv, 0.5))
+            put(p + "shortconv.out_proj.weight", mat(E, E, s), mt)
+            w.add_tensor(p + "ffn_norm.weight", norm(E))
+            put(p + "ffn_gate.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_up.weight", mat(spec.n_ff, E, s), mt)
+            put(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)), mt)
+            continue
         put(p + "attn_q.weight", mat(spec.n_head * hd, E, s), mt)
         put(p + "attn_k.weight", mat(spec.n_head_kv * hd, E, s), mt)
         put(p + "attn_v.weight", mat(spec.n_head_kv * hd, E, s), mt)
         put(p + "attn_output.weight", mat(E, spec.n_head * hd, s), mt)
-        if a in ("qwen3", "qwen3moe"):
+        if a in ("qwen3", "qwen3moe", "lfm2"):
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
         if a == "qwen2":
@@ -151,6 +193,59 @@ def write_target(path: str, spec: TargetSpec) -> str:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_qwen35(put, w: GGUFWriter, p: str, i: int, spec: TargetSpec, rng: np.random.Generator, s: float,
+                norm) -> None:
+    """A qwen35 layer: gated delta net (every layer but each full_attn_interval-th) or gated full
+    attention (q and its gate in one projection, q/k norms), a post-attention norm, a dense FFN.
+    Shapes as llama.cpp's llama_model_qwen35::load_arch_tensors (numpy: [rows, values])."""
+    E, hd, mt = spec.n_embd, spec.n_embd // spec.n_head, spec.matrix_type
+
+    def mat(o, n, scale):
+        return (rng.standard_normal((o, n)) * scale).astype(np.float32)
+
+    if (i + 1) % spec.full_attn_interval != 0:
+        dk, hk, hv = spec.ssm_d_state, spec.ssm_n_group, spec.ssm_dt_rank
+        conv_dim = 2 * dk * hk + dk * hv
+        put(p + "attn_qkv.weight", mat(conv_dim, E, s), mt)
+        put(p + "attn_gate.weight", mat(dk * hv, E, s), mt)
+        w.add_tensor(p + "ssm_conv1d.weight", mat(conv_dim, spec.ssm_d_conv, 0.5))
+        w.add_tensor(p + "ssm_dt.bias", (0.5 * rng.standard_normal(hv)).astype(np.float32))
+        w.add_tensor(p + "ssm_a", (-np.exp(0.5 * rng.standard_normal(hv))).astype(np.float32))  # -exp(A_log)
+        put(p + "ssm_beta.weight", mat(hv, E, s), mt)
+        put(p + "ssm_alpha.weight", mat(hv, E, s), mt)
+        w.add_tensor(p + "ssm_norm.weight", norm(dk))
+        put(p + "ssm_out.weight", mat(E, dk * hv, s), mt)
+    else:
+        put(p + "attn_q.weight", mat(2 * spec.n_head * hd, E, s), mt)  # queries and their output gate
+        put(p + "attn_k.weight", mat(spec.n_head_kv * hd, E, s), mt)
+        put(p + "attn_v.weight", mat(spec.n_head_kv * hd, E, s), mt)
+        put(p + "attn_output.weight", mat(E, spec.n_head * hd, s), mt)
+        w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+        w.add_tensor(p + "attn_k_norm.weight", norm(hd))
+    w.add_tensor(p + "post_attention_norm.weight", norm(E))
+    put(p + "ffn_gate.weight", mat(spec.n_ff, E, s), mt)
+    put(p + "ffn_up.weight", mat(spec.n_ff, E, s), mt)
+    put(p + "ffn_down.weight", mat(E, spec.n_ff, spec.layer_scale / np.sqrt(spec.n_ff)), mt)
+
+
+def _add_mamba(put, w: GGUFWriter, p: str, spec: TargetSpec, rng: np.random.Generator, s: float) -> None:
+    """A mamba (v1) layer: a recurrent target without rollback snapshots in llama.cpp."""
+    E, di, ds, dt = spec.n_embd, 2 * spec.n_embd, spec.ssm_d_state, spec.ssm_dt_rank
+
+    def mat(o, n, scale):
+        return (rng.standard_normal((o, n)) * scale).astype(np.float32)
+
+    put(p + "ssm_in.weight", mat(2 * di, E, s), spec.matrix_type)
+    w.add_tensor(p + "ssm_conv1d.weight", mat(di, spec.ssm_d_conv, 0.5))
+    w.add_tensor(p + "ssm_conv1d.bias", np.zeros(di, np.float32))
+    w.add_tensor(p + "ssm_x.weight", mat(dt + 2 * ds, di, 1.0 / np.sqrt(di)))
+    w.add_tensor(p + "ssm_dt.weight", mat(di, dt, 1.0 / np.sqrt(dt)))
+    w.add_tensor(p + "ssm_dt.bias", np.zeros(di, np.float32))
+    w.add_tensor(p + "ssm_a", (-np.tile(np.arange(1, ds + 1, dtype=np.float32), (di, 1))))
+    w.add_tensor(p + "ssm_d", np.ones(di, np.float32))
+    put(p + "ssm_out.weight", mat(E, di, s), spec.matrix_type)
 
 
 def _add_experts(put, p: str, spec: TargetSpec, rng: np.random.Generator, s: float) -> None:

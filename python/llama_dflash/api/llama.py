@@ -17,6 +17,7 @@ import inspect
 import logging
 import random
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -261,6 +262,11 @@ class Llama(llama_cpp.Llama):
             parallel = min(parallel, self._core.exact.max_rows)
         if self.chat_handler is not None or self._unavailable is not None:
             parallel = 1
+        if parallel > 1 and self._core.n_rs_seq is not None:
+            # (joint batches would split by sequence, and each sequence's snapshots must stay in one ubatch)
+            _log.warning("llama-dflash: parallel=%d on a recurrent / hybrid target: one request at a time",
+                         parallel)
+            parallel = 1
         self.parallel = parallel  # what is served at once: 1 when no group could be built
         if self._core.has_drafter and opts.speculation == "auto" and self.draft_n_max > 0 and self._unavailable is None:
             # at start, not in the first request (a cached model or a fraction of a second; it clears
@@ -369,7 +375,9 @@ class Llama(llama_cpp.Llama):
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
                                 exact=self.__dict__["_load"], model_path=self.model_path,
-                                placement=self._placement())
+                                placement=self._placement(), draft_n_max=self.__dict__["_options"].draft_n_max)
+        if self._core.unavailable is not None and pending["drafter_path"] is not None:
+            warnings.warn(f"llama-dflash: not speculating: {self._core.unavailable}", stacklevel=4)
         self._core.prepare_context(self.context_params)
 
     def _placement(self) -> str:

@@ -139,13 +139,33 @@ class Run:
 # drafts a caller's draft source (no drafter: no block size) may propose a step; the exact probe covers them
 SOURCE_MAX_DRAFT = exact_mode.PROBE_ROWS - 1
 
+# Architectures whose recurrent state llama.cpp snapshots per token (n_rs_seq), so that rejected drafts
+# can be rolled back: llm_arch_supports_rs_rollback in the pinned libllama (src/llama-arch.cpp); it
+# clamps n_rs_seq to 0 for every other one (tests/test_hybrid.py holds this list to it).
+RS_ROLLBACK_ARCHS = frozenset({"bailingmoe3", "deepseek4", "glm5-next", "kimi-k3", "lfm2", "lfm2moe", "nemotron_h",
+                               "nemotron_h_moe", "qwen35", "qwen35moe", "qwen4exp"})
+
+
+def arch(model) -> str:
+    """The model's ``general.architecture``."""
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else "?"
+
+
+def has_recurrent_state(model) -> bool:
+    lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
+    return bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+
 
 def target_refusal(model) -> str | None:
     """Why this target model cannot speculate, in one line, or None when it can (a vocab-only
-    load suffices: ``llama-dflash inspect --target`` asks the same question)."""
-    lc = llama_cpp.llama_cpp  # the bindings module (where llama_cpp.Llama looks these up too)
-    if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
-        return "recurrent / hybrid target: its memory cannot roll back rejected drafts"
+    load suffices: ``llama-dflash inspect --target`` asks the same question).  A recurrent / hybrid
+    target speculates where llama.cpp keeps snapshots of its recurrent state to roll back to."""
+    if has_recurrent_state(model) and (name := arch(model)) not in RS_ROLLBACK_ARCHS:
+        kind = "hybrid" if llama_cpp.llama_cpp.llama_model_is_hybrid(model) else "recurrent"
+        return (f"{kind} target '{name}': llama.cpp keeps no snapshots of its recurrent state (n_rs_seq is "
+                "clamped to 0), so it cannot roll back rejected drafts: plain decoding")
     return None
 
 
@@ -156,12 +176,20 @@ class EngineCore(_native.Resource):
     a DFlash / DFlash2 GGUF, or None (plain decoding; ``capture_layers`` then turns capture
     on alone, HF layer ids, e.g. for training features).  Use: ``prepare_context(cparams)``
     on the params the context will be created with, then ``attach(ctx)``.
+
+    Recurrent and hybrid targets (qwen35, lfm2, nemotron_h, ...) roll rejected drafts back through
+    llama.cpp's per-token snapshots of their recurrent state: ``prepare_context`` asks for
+    ``n_rs_seq`` = the longest draft (``draft_n_max``, else the drafter's), and drafts never exceed
+    what the context got.  Where llama.cpp has no snapshots for the architecture (it clamps
+    ``n_rs_seq`` to 0: mamba, rwkv, jamba, qwen3next, ...) the target is refused for speculation
+    here, at load, with a logged warning (``unavailable``); it still decodes plainly.
     """
 
     def __init__(self, model, drafter_path: str | os.PathLike | None = None, *, n_ctx: int, n_batch: int,
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: exact_mode.LoadSettings | None = None,
-                 model_path: str | os.PathLike | None = None, placement: str = "cpu") -> None:
+                 model_path: str | os.PathLike | None = None, placement: str = "cpu",
+                 draft_n_max: int | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
@@ -189,11 +217,16 @@ class EngineCore(_native.Resource):
         self.drafter_info: DrafterConfig | None = None
         self.unavailable: str | None = None  # why this target cannot speculate (None: it can)
         self.unavailable = target_refusal(model)
+        self._draft_n_max = draft_n_max
+        # recurrent state (None: a KV cache only): its rollback depth is the context's n_rs_seq
+        self.n_rs_seq: int | None = 0 if has_recurrent_state(model) else None
         taps = list(capture_layers or [])
         if drafter_path is not None:
             self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
             self.drafter_info = self._drafter.info
             taps = list(self.drafter_info.target_layers)
+            if self.unavailable is not None:
+                log.warning("llama-dflash: not speculating: %s", self.unavailable)
         self.capture_mode = "none"
         if taps and self.unavailable is None:  # no capture or engine on a target that cannot speculate
             try:
@@ -213,6 +246,9 @@ class EngineCore(_native.Resource):
         context of the same settings (or comes from the cache), so that where ``exact="auto"``
         falls back, the target context is created with the caller's own settings (flash
         attention as asked) -- the default mode exactly as ``exact=False`` would load it."""
+        if self.n_rs_seq is not None and self.unavailable is None:
+            # snapshots for the longest rollback a step can need: its drafts (exact mode may lower it below)
+            cparams.n_rs_seq = self._rollback_wanted(cparams)
         if self._exact_wanted and self.unavailable is None and self.exact is None:
             rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
             placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
@@ -226,12 +262,46 @@ class EngineCore(_native.Resource):
             else:
                 exact_mode.require(v)
                 self.exact = v
+                if self.n_rs_seq is not None:
+                    cparams.n_rs_seq = self._rollback_wanted(cparams)  # (no more than the invariant drafts)
+        if self.n_rs_seq is not None and self.unavailable is None:
+            self.n_rs_seq = int(cparams.n_rs_seq)
         if self._capture is not None:
             self._capture.install(cparams)
 
+    def _rollback_wanted(self, cparams) -> int:
+        """Recurrent-state snapshots to ask for: the longest draft this core may verify (each costs
+        one more copy of the recurrent state: bench/bench_hybrid.py), in exact mode no more than its
+        invariant drafts; llama.cpp keeps a batch's last n_rs_seq + 1 rows in one ubatch and aborts
+        unless n_ubatch exceeds them."""
+        n = self.drafter_info.max_draft if self.drafter_info else SOURCE_MAX_DRAFT
+        if self._draft_n_max is not None:
+            n = min(n, self._draft_n_max)
+        if self.exact is not None:
+            n = min(n, self.exact.max_rows - 1)
+        ubatch = min(int(cparams.n_ubatch), int(cparams.n_batch))
+        if ubatch < 3:
+            raise DFlashError(f"a recurrent / hybrid target rolls drafts back only with n_ubatch >= 3 (got {ubatch})")
+        return max(1, min(n, ubatch - 2))
+
     def attach(self, ctx) -> None:
-        """Bind the capture and create the engine on the target context (``llama_context *``)."""
+        """Bind the capture and create the engine on the target context (``llama_context *``); a
+        target that cannot speculate gets a plain engine (no drafter, no capture)."""
+        if self.unavailable is None and self.n_rs_seq is not None:
+            got = int(llama_cpp.llama_n_rs_seq(ctx))
+            if got < 1:  # (a context created without prepare_context's n_rs_seq, or clamped)
+                raise DFlashError(f"the {arch(self._model)} target's context keeps no recurrent-state snapshots "
+                                  "(llama.cpp clamped n_rs_seq to 0): rejected drafts could not be rolled back")
+            self.n_rs_seq = got
         if self.unavailable is not None:
+            self.ctx = ctx
+            err = _native.err_buf()
+            e = lib.dflash_engine_new(_native.ptr("struct llama_context *", ctx), ffi.NULL, ffi.NULL, err,
+                                      _native.ERR_LEN)
+            if e == ffi.NULL:
+                raise DFlashError(_native.err_str(err))
+            self._engine = e
+            self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
             return
         if self.exact is not None:  # (prepare_context proved it) before the capture is bound and first use
             exact_mode.reference_kernels(ctx)
@@ -262,9 +332,17 @@ class EngineCore(_native.Resource):
     @property
     def max_draft_len(self) -> int:
         """Longest draft: the drafter's block - 1 (without a drafter, the core's limit); in exact
-        mode at most the largest batch the self-check found invariant, minus its anchor row."""
-        n = self.drafter_info.max_draft if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
+        mode at most the largest batch the self-check found invariant, minus its anchor row; on a
+        recurrent / hybrid target at most its context's n_rs_seq (0: it cannot speculate)."""
+        if self.unavailable is not None:
+            return 0
+        n = self._drafter_max_draft()
+        if self.n_rs_seq:  # (0 until the context exists)
+            n = min(n, self.n_rs_seq)
         return min(n, self.exact.max_rows - 1) if self.exact is not None else n
+
+    def _drafter_max_draft(self) -> int:
+        return self.drafter_info.max_draft if self.drafter_info else int(lib.DFLASH_MAX_DRAFT)
 
     @property
     def feature_width(self) -> int:
@@ -285,8 +363,10 @@ class EngineCore(_native.Resource):
             raise DFlashError("the engine is closed")
         engine = self._engine if engine is None else engine
         req.check()
-        if self.exact is not None and req.draft_len > self.max_draft_len:
-            req = dataclasses.replace(req, draft_len=self.max_draft_len)  # verify only invariant batch sizes
+        if (self.exact is not None or self.n_rs_seq is not None) and req.draft_len > self.max_draft_len:
+            # verify only invariant batch sizes; roll back no more than the recurrent state's snapshots
+            n = self.max_draft_len
+            req = dataclasses.replace(req, draft_len=n, adaptive=req.adaptive and n > 0)
         if req.adaptive and req.draft_len > 0:
             self.ensure_costs()
         toks = [int(t) for t in tokens]

@@ -14,6 +14,11 @@ repacked K-quant matrix products from 4 rows on this CPU), so the verdict is the
 that is invariant together with every smaller one; the draft length is capped below it.  The
 verdict is cached per (model file, settings, llama.cpp build, threads).
 
+On a recurrent / hybrid target (a context with ``n_rs_seq`` recurrent-state snapshots) a step's
+rejected rows are rolled back by restoring the snapshot after its last kept row; the self-check
+then also checks that several such rollbacks in a row leave the next logits bit-identical to a
+fresh one-token decode of the kept tokens (:func:`_rollback_probe`).
+
 The drafter plays no part in exactness: it only proposes tokens, the target decides each one.
 """
 
@@ -64,8 +69,12 @@ class Verdict:
     key: str
     repacked: bool = False  # the target's weights in llama.cpp's repacked CPU layout
     at_position: int = PROBE_PREFIX  # where the first batch that differed started
+    rollback: bool = False  # the batches were invariant but a rollback of recurrent state was not
 
     def describe(self) -> str:
+        if self.rollback:
+            return (f"self-check failed: after rolling back rejected rows the next logits differ from a fresh "
+                    f"decode by {self.first_diff:.3g} (the recurrent state's snapshots do not restore exactly)")
         if self.max_rows >= self.probed_rows:
             return f"self-check passed: verify batches of up to {self.probed_rows} rows are bit-identical"
         if self.max_rows >= 2:
@@ -120,6 +129,42 @@ def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator, n_prefix: int = 
     return 0.0 if np.array_equal(a, b) else float(np.nanmax(np.abs(a - b)))
 
 
+PROBE_ROLLBACK_STEPS = 3  # verify batches rolled back in a row before the compared decodes
+
+
+def _rollback_probe(ctx, n_vocab: int, k: int, n_rs_seq: int, rng: np.random.Generator) -> float:
+    """Largest |logit difference| between PROBE_AFTER one-token decodes after PROBE_ROLLBACK_STEPS
+    k-row batches each rolled back to its first ``keep`` rows (as many rejected rows as the
+    snapshots allow, then one), and the same decodes after a fresh prefix + the kept tokens one by
+    one: bitwise 0.0 when the snapshots restore the recurrent state exactly."""
+    if n_rs_seq < 1 or k < 2:
+        return 0.0
+    mem = llama_cpp.llama_get_memory(ctx)
+    worst = 0.0
+    for keep in sorted({max(1, k - n_rs_seq), k - 1}):
+        steps = [[int(t) for t in rng.integers(0, n_vocab, k)] for _ in range(PROBE_ROLLBACK_STEPS)]
+        prefix = [int(t) for t in rng.integers(0, n_vocab, PROBE_PREFIX)]
+        after = [int(t) for t in rng.integers(0, n_vocab, PROBE_AFTER)]
+        kept = [t for s in steps for t in s[:keep]]
+        llama_cpp.llama_memory_clear(mem, True)
+        _decode(ctx, prefix, 0, n_vocab, False)
+        pos = PROBE_PREFIX
+        for s in steps:
+            _decode(ctx, s, pos, n_vocab, False)
+            pos += keep
+            if not llama_cpp.llama_memory_seq_rm(mem, 0, pos, -1):
+                raise DFlashError(f"exact-mode self-check: the target could not roll back {k - keep} rows")
+        rolled = _decode(ctx, after, pos, n_vocab, True)
+        llama_cpp.llama_memory_clear(mem, True)
+        _decode(ctx, prefix, 0, n_vocab, False)
+        _decode(ctx, kept, PROBE_PREFIX, n_vocab, True)
+        fresh = _decode(ctx, after, pos, n_vocab, True)
+        if not np.array_equal(rolled, fresh):
+            worst = max(worst, float(np.nanmax(np.abs(rolled - fresh))))
+    llama_cpp.llama_memory_clear(mem, True)
+    return worst
+
+
 def reference_kernels(ctx, on: bool = True) -> int:
     """Put the target context's CPU backends into ggml's reference kernels, or back
     (``dflash_context_reference_kernels``): the number of CPU backends set, -1 if unsupported."""
@@ -131,10 +176,11 @@ def settings(repacked: bool) -> dict:
     return {**EXACT_SETTINGS, "use_extra_bufts": bool(repacked)}
 
 
-def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool, long: bool, placement: str = "") -> str:
+def _cache_key(model_path: str, n_threads: int, n_rows: int, repacked: bool, long: bool, placement: str = "",
+               n_rs_seq: int = 0) -> str:
     return key_of(*file_id(model_path), *build_id(), n_threads, n_rows,
                   json.dumps(settings(repacked), sort_keys=True), PROBE_VERSION, long,
-                  *([placement] if placement else []))
+                  *([placement] if placement else []), *([f"n_rs_seq={n_rs_seq}"] if n_rs_seq else []))
 
 
 def _max_rows(ctx, model, n_rows: int) -> tuple[int, float, int]:
@@ -339,12 +385,19 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
     if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
         raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
     n_rows = max(2, min(int(n_rows), int(llama_cpp.llama_n_ctx(ctx)) - PROBE_PREFIX - PROBE_AFTER, n_batch))
+    n_rs_seq = int(llama_cpp.llama_n_rs_seq(ctx))
     key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, _reaches_long(ctx, n_rows),
-                     placement) if model_path else ""
+                     placement, n_rs_seq) if model_path else ""
     if (v := _cached(key)) is not None:
         return v
     max_rows, diff, at = _max_rows(ctx, model, n_rows)
     v = Verdict(max_rows, n_rows, diff, key, bool(repacked), at)
+    if max_rows >= 2 and n_rs_seq > 0:
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        # (the probe's prefix, steps and decodes after them fit the probe context: PROBE_CTX)
+        rb = _rollback_probe(ctx, n_vocab, max_rows, n_rs_seq, np.random.default_rng(99))
+        if rb != 0.0:
+            v = Verdict(1, n_rows, rb, key, bool(repacked), PROBE_PREFIX, rollback=True)
     if key:
         JsonStore("exact-verdicts.json").put(key, asdict(v))
     return v
@@ -361,7 +414,8 @@ def self_check_for(cparams, model, model_path: str | os.PathLike | None, n_rows:
     needs no probe context at all."""
     n_rows = max(2, min(int(n_rows), PROBE_CTX - PROBE_PREFIX - PROBE_AFTER))  # (as self_check clamps it)
     long = PROBE_CTX >= PROBE_LONG + n_rows + PROBE_AFTER  # (as _reaches_long finds it on that context)
-    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, long, placement) if model_path else ""
+    key = _cache_key(os.fspath(model_path), n_threads, n_rows, repacked, long, placement,
+                     int(cparams.n_rs_seq)) if model_path else ""
     if (v := _cached(key)) is not None:
         return v
     cp = type(cparams).from_buffer_copy(cparams)
