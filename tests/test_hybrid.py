@@ -275,7 +275,8 @@ def test_a_ubatch_too_small_for_snapshots_is_refused(hybrid):
 
 def test_a_target_without_rollback_is_refused_at_load(hybrid, caplog, tmp_path):
     """mamba (recurrent, no snapshots in llama.cpp): one warning at load on Llama (logged and a
-    Python warning), the generator, the CLI and the server; it decodes plainly."""
+    Python warning), the generator and the server, which decode plainly; the CLI, asked for a
+    drafter, refuses with a one-line error (exit 2)."""
     a = hybrid["mamba"]
     with caplog.at_level(logging.WARNING, logger="llama_dflash"), pytest.warns(UserWarning, match="not speculating"):
         llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=256, n_threads=2, verbose=False)
@@ -298,8 +299,10 @@ def test_a_target_without_rollback_is_refused_at_load(hybrid, caplog, tmp_path):
     cli = subprocess.run([sys.executable, "-m", "llama_dflash.api.cli", "generate", "--model", a["target"], "--drafter",
                           a["drafter"], "--prompt", "Hello", "--max-tokens", "4", "--n-ctx", "256"],
                          capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 0, cli.stderr
-    assert "not speculating: recurrent target 'mamba'" in cli.stderr
+    # the CLI, asked for a drafter it cannot use: a one-line error, exit 2 (inspect --target's verdict)
+    lines = cli.stderr.strip().splitlines()
+    assert cli.returncode == 2 and len(lines) == 1, cli.stderr
+    assert "--drafter: recurrent target 'mamba'" in lines[0] and "cannot roll back" in lines[0], lines
     from llama_dflash.api.server import DFlashModelSettings, DFlashServerSettings, create_app
 
     caplog.clear()

@@ -129,6 +129,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from ..core.generator import SpeculativeGenerator
 
     prompt = _prompt(a)
+    _speculates(a.model, a.drafter)
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
                               exact=a.exact, **_placement(a)) as g:
         res = g.generate(prompt, a.max_tokens, draft_len=a.draft_len, sampling=_sampling(a),
@@ -160,6 +161,19 @@ def _add_rpc(p: argparse.ArgumentParser) -> None:
                         "rpc-server); the drafter stays local")
     p.add_argument("--n-gpu-layers", type=_int(-1), default=None,
                    help="the target's layers offloaded (with --rpc: to the servers; default there: all)")
+
+
+def _speculates(model: str, drafter: str | None) -> None:
+    """A drafter asked for on the command line must be able to speculate with this target: the very
+    check of `inspect --target` (vocab-only loads, before any weights), its reason a one-line error
+    (exit 2) -- the Python API and the server decode plainly with a warning instead."""
+    if drafter is None:
+        return
+    from ..formats.inspect import fit
+
+    verdict = fit(drafter, model)
+    if not verdict["ok"]:
+        raise DFlashError(f"--drafter: {verdict['error']}")
 
 
 def _placement(a: argparse.Namespace) -> dict:
@@ -256,6 +270,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         model = str(default_target())
         shipped = shipped_drafter()
         drafter = drafter or (str(shipped) if shipped else None)
+    _speculates(model, drafter)
     llm = Llama(model, draft_model_path=drafter, draft_n_max=a.draft_len, n_ctx=a.n_ctx, n_threads=a.threads,
                 seed=a.seed, verbose=a.verbose, exact=a.exact, speculation=a.speculation, **_placement(a))
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
@@ -397,6 +412,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
     sp = _sampling(a)
     if sp.temperature > 0 and sp.mode == "rejection":
         raise ValueError("rejection mode is not seed-identical to plain decoding by design: diff it with --mode match")
+    _speculates(a.model, a.drafter)
     with SpeculativeGenerator(a.model, a.drafter, n_ctx=a.n_ctx, n_threads=a.threads, verbose=None,
                               exact=a.exact, **_placement(a)) as g:
         toks = g.tokenize(_prompt(a))
