@@ -7,8 +7,9 @@ so a server with several requests in flight serves them faster together than in 
 native side): a second context on the core's model with one sequence per slot (a KV stream
 each) and a sequence engine per slot (its own drafter state: the drafter's weights are shared).
 Each scheduler round admits waiting generations into free slots (their prefill), then runs
-``dflash_engine_step_group``: every active sequence drafts, and one decode verifies all their rows.  Adaptive sequences price their rows at what they add to the
-joint batch, so under load drafting only goes on where it still pays.
+``dflash_engine_step_group``: every active sequence drafts, and one decode verifies all their rows.
+Adaptive sequences price their rows at what they add to the joint batch, so under load drafting
+only goes on where it still pays.
 
 Output: each sequence is verified exactly as alone (its own sampler chain and draws), so the
 output is what plain decoding gives up to llama.cpp's batch numerics -- in the default mode a
