@@ -210,6 +210,9 @@ FAMILIES: dict[str, Callable[[int], TargetSpec | FamilySpec]] = {
     "qwen3moe": _qwen3moe,
     "gpt-oss": lambda seed: FamilySpec("gpt-oss", head_dim=32, seed=seed),
     "gemma3": lambda seed: FamilySpec("gemma3", seed=seed),
+    # hybrid (gated delta net + gated attention, tests/models.py): rolls back through recurrent snapshots
+    "qwen35": lambda seed: TargetSpec(arch="qwen35", n_layer=10, matrix_type="q8_0", tied=False, output_type="q8_0",
+                                      seed=seed),
 }
 
 
@@ -229,9 +232,10 @@ def family_drafter_config(spec: TargetSpec | FamilySpec, **kw) -> DrafterConfig:
 
 # each family's drafter in the schema of its published checkpoint (tests/hf_fixtures.PUBLISHED: the
 # config as published, sizes scaled down), converted by `llama-dflash convert`; gemma3 has no published
-# DFlash drafter -- gemma-4's are Qwen3 bodies with [S x4, F] layers, Qwen3.6-27B's layout
+# DFlash drafter -- gemma-4's are Qwen3 bodies with [S x4, F] layers, Qwen3.6-27B's layout; qwen35 takes
+# the Qwen3.5 June revisions' [S x5, F] with 8 taps
 SCHEMAS = {"llama3": "llama31_llama3_rope", "qwen3": "qwen3_v1_b16", "qwen3moe": "qwen3_v1_b16",
-           "gpt-oss": "gptoss_20b", "gemma3": "qwen36_27b_flat"}
+           "gpt-oss": "gptoss_20b", "gemma3": "qwen36_27b_flat", "qwen35": "qwen35_june"}
 
 
 def published_drafter(root: Path, schema: str, target: str, n_layer: int, seed: int) -> str:

@@ -1,6 +1,7 @@
 """Every target family on a tiny random target written through gguf-py (tests/families.py) and loaded
 by the real libllama: llama with llama3 RoPE, qwen3, qwen3moe, gpt-oss (sinks, alternating sliding
-window, biases, MXFP4 experts) and gemma3 run far past its 32-token window.  For each, a drafter in
+window, biases, MXFP4 experts), gemma3 run far past its 32-token window and qwen35 (hybrid: gated
+delta net, rolled back through llama.cpp's recurrent snapshots).  For each, a drafter in
 the schema of the published checkpoint for that family (random weights, converted) drafts; exact
 mode's self-check passes (the MoE targets since the kernels take the f32 router; with the kernels off
 they are refused with the self-check's reason); greedy output over 120 tokens is identical to
