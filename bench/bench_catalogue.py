@@ -181,6 +181,10 @@ def tiny_rows(rounds: int, threads: int) -> list[dict]:
     return out
 
 
+def _part(row: dict) -> str:
+    return row.get("part") or ("tiny" if row["family"].startswith("tiny ") else "real")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="tiny,real")
@@ -201,6 +205,20 @@ def main() -> int:
         out["rows"] += real_rows(a.rounds, a.threads)
     out["seconds"] = round(time.time() - t0, 1)
     out["load_after"] = os.getloadavg()
+    out["parts"] = parts
+    for r in out["rows"]:
+        r["part"] = _part(r)
+    # rows of the parts not run here stay as an earlier run of the same file measured them, with that run
+    runs = [out]
+    old = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else None
+    if old is not None and set(parts) != {"tiny", "real"}:
+        kept = [r for r in old["rows"] if _part(r) not in parts]
+        if kept:
+            for r in old.get("runs", [old]):
+                if set(r.get("parts", ["tiny", "real"])) - set(parts):
+                    runs.append({k: v for k, v in r.items() if k not in ("rows", "runs")})
+            out["rows"] = [r for p in ("tiny", "real") for r in out["rows"] + kept if _part(r) == p]
+    out["runs"] = [{k: v for k, v in r.items() if k not in ("rows", "runs")} for r in runs]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nsaved {a.out} ({out['seconds']} s)")

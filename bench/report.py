@@ -1085,11 +1085,15 @@ def catalogue() -> list[str]:
     if not (HERE / "catalogue.json").is_file():
         return []
     r = _load("catalogue.json")
-    out = ["## Target families", "",
-           _source(r["command"], r["date"], "catalogue.json",
-                   f"; {r['cpu']}, {r['threads']} threads, {r['kernels']}, load {r['load'][0]:.2f} before / "
-                   f"{r['load_after'][0]:.2f} after, {r['busy']} other pytest / bench processes running at the start"),
-           "", "One row per target family: the tiny random targets of `tests/families.py` (each with the drafter "
+    runs = r.get("runs", [r])
+    out = ["## Target families", ""]
+    for run in runs:  # (a run of some rows keeps the others as an earlier run measured them)
+        rows = "/".join(run.get("parts", ["tiny", "real"]))
+        out.append(f"- {rows} rows: " + _source(
+            run["command"], run["date"], "catalogue.json",
+            f"; {run['cpu']}, {run['threads']} threads, {run['kernels']}, load {run['load'][0]:.2f} before / "
+            f"{run['load_after'][0]:.2f} after, {run['busy']} other pytest / bench processes running at the start"))
+    out += ["", "One row per target family: the tiny random targets of `tests/families.py` (each with the drafter "
            "converted from a synthetic checkpoint in its family's published schema where that converts, else a "
            "random GGUF drafter) and the real models (random drafters shaped for them; SmolLM2 with the shipped "
            "drafter). *converts*: `llama-dflash convert` of that checkpoint, or its error. *identical*: greedy "
