@@ -215,8 +215,9 @@ def main() -> int:
         kept = [r for r in old["rows"] if _part(r) not in parts]
         if kept:
             for r in old.get("runs", [old]):
-                if set(r.get("parts", ["tiny", "real"])) - set(parts):
-                    runs.append({k: v for k, v in r.items() if k not in ("rows", "runs")})
+                left = [x for x in r.get("parts", ["tiny", "real"]) if x not in parts]
+                if left:
+                    runs.append({**{k: v for k, v in r.items() if k not in ("rows", "runs")}, "parts": left})
             out["rows"] = [r for p in ("tiny", "real") for r in out["rows"] + kept if _part(r) == p]
     out["runs"] = [{k: v for k, v in r.items() if k not in ("rows", "runs")} for r in runs]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
