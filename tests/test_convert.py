@@ -60,6 +60,9 @@ def test_default_tap_formula():
     assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
     assert default_target_layer_ids(30, 1) == [15]
+    # a target too small for z-lab's spread to stay distinct: every usable layer instead
+    assert default_target_layer_ids(6, 5) == [0, 1, 2, 3, 4]
+    assert default_target_layer_ids(7, 5) == [0, 1, 2, 4, 5]
 
 
 def draft_each(model, paths, feats, anchor, n, return_logits=False):

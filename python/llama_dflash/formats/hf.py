@@ -128,11 +128,16 @@ def read_target_hf(d: Path) -> TargetInfo:
 
 
 def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
-    """z-lab's default taps: spread from layer 1 to N_T - 3 (Python round: half to even)."""
+    """z-lab's default taps: spread from layer 1 to N_T - 3 (Python round: half to even).  On a
+    target too small for them to be distinct (taps must be: the loader refuses a repeated one),
+    spread over every usable layer, 0 to N_T - 2, instead."""
     if n_draft_layers == 1:
         return [n_target_layers // 2]
     n = n_draft_layers
-    return [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
+    ids = [round(1 + i * (n_target_layers - 4) / (n - 1)) for i in range(n)]
+    if len(set(ids)) < n and n <= n_target_layers - 1:
+        ids = [round(i * (n_target_layers - 2) / (n - 1)) for i in range(n)]
+    return ids
 
 
 def _read_json_object(path: Path) -> dict:
