@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_hybrid import decode  # noqa: E402
 from bench_kernels import cpu_model  # noqa: E402
 
 from families import FAMILIES, SCHEMAS, family_drafter_config, published_drafter, write_any  # noqa: E402
@@ -74,30 +75,17 @@ def verify_curve(g: SpeculativeGenerator, rounds: int) -> dict[int, float]:
     mem = llama_cpp.llama_get_memory(ctx)
     toks = [int(t) % g.n_vocab for t in range(100, 100 + 64 + max(KS))]
     llama_cpp.llama_memory_clear(mem, True)
-    _decode(ctx, toks[:64], 0)
+    decode(ctx, toks[:64], 0)
     best = {k: float("inf") for k in KS}
     for r in range(rounds + 1):  # (round 0 warms the graphs up, untimed)
         for k in KS:
             t0 = time.perf_counter()
-            _decode(ctx, toks[64:64 + k], 64)
+            decode(ctx, toks[64:64 + k], 64)
             if r:
                 best[k] = min(best[k], (time.perf_counter() - t0) * 1e3)
             llama_cpp.llama_memory_seq_rm(mem, 0, 64, -1)
     llama_cpp.llama_memory_clear(mem, True)
     return {k: round(best[k], 3) for k in KS}
-
-
-def _decode(ctx, toks: list[int], pos0: int) -> None:
-    b = llama_cpp.llama_batch_init(len(toks), 0, 1)
-    try:
-        b.n_tokens = len(toks)
-        for i, t in enumerate(toks):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
-            b.seq_id[i][0] = 0
-        if llama_cpp.llama_decode(ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-    finally:
-        llama_cpp.llama_batch_free(b)
 
 
 def row(name: str, target: str, drafter: str, prompts: list[str], n_tok: int, draft_len: int, n_ctx: int,

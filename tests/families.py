@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 from llama_dflash.formats import convert_hf_to_gguf
 from llama_dflash.formats.config import DrafterConfig
 
 from hf_fixtures import PUBLISHED, make_published
-from models import LAYER_SCALE, MASK_ID, VOCAB, TargetSpec, add_matrix, small_bpe_vocab, write_target
+from models import LAYER_SCALE, MASK_ID, VOCAB, TargetSpec, add_matrix, add_tiny_vocab, write_target
 
 
 @dataclass
@@ -62,7 +62,6 @@ class FamilySpec:
 
 
 def _header(w: GGUFWriter, arch: str, s: FamilySpec, n_ff: int) -> None:
-    voc = small_bpe_vocab()
     w.add_name(f"tiny-{s.family}")
     w.add_block_count(s.n_layer)
     w.add_context_length(s.ctx)
@@ -74,18 +73,7 @@ def _header(w: GGUFWriter, arch: str, s: FamilySpec, n_ff: int) -> None:
     w.add_value_length(s.head_dim)
     w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(1e-5 if arch != "gemma3" else 1e-6)
-    w.add_uint32(f"{arch}.vocab_size", VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(voc["tokens"])
-    w.add_token_types(voc["types"])
-    w.add_token_merges(voc["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(s.eos_id)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_key_value("tokenizer.chat_template", voc["template"], GGUFValueType.STRING)
+    add_tiny_vocab(w, arch, s.eos_id)
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,

@@ -285,15 +285,21 @@ PUBLISHED: dict[str, tuple[dict, dict]] = {
 }
 
 
-def make_published(root: Path, name: str, seed: int = 0, **cfg_changes) -> tuple[Path, dict, dict[str, np.ndarray]]:
-    """A checkpoint in a published schema (cfg_changes: top-level fields replaced; None removes)."""
-    cfg, opt = PUBLISHED[name]
+def with_changes(cfg: dict, **changes) -> dict:
+    """A deep copy of a config with top-level fields replaced (None: removed)."""
     cfg = json.loads(json.dumps(cfg))
-    for k, v in cfg_changes.items():
+    for k, v in changes.items():
         if v is None:
             cfg.pop(k, None)
         else:
             cfg[k] = v
+    return cfg
+
+
+def make_published(root: Path, name: str, seed: int = 0, **cfg_changes) -> tuple[Path, dict, dict[str, np.ndarray]]:
+    """A checkpoint in a published schema (cfg_changes: top-level fields replaced; None removes)."""
+    cfg, opt = PUBLISHED[name]
+    cfg = with_changes(cfg, **cfg_changes)
     t = hf_tensors(cfg, seed, encoder_names=opt.get("encoder_names", False), prefix=opt.get("prefix", ""))
     d = write_checkpoint(root / name, cfg, t, dtype=opt.get("dtype", "F32"))
     return d, cfg, t

@@ -33,6 +33,47 @@ def small_bpe_vocab() -> dict:
             "template": r.fields["tokenizer.chat_template"].contents()}
 
 
+def add_tiny_vocab(w: GGUFWriter, arch: str, eos_id: int) -> None:
+    """The tiny targets' tokenizer keys: small_bpe_vocab() as llama.cpp's "gpt2" model."""
+    voc = small_bpe_vocab()
+    w.add_uint32(f"{arch}.vocab_size", VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(voc["tokens"])
+    w.add_token_types(voc["types"])
+    w.add_token_merges(voc["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(eos_id)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_key_value("tokenizer.chat_template", voc["template"], GGUFValueType.STRING)
+
+
+def exact_reference_llama(path: str, monkeypatch, **kw):
+    """llama_cpp.Llama under exact mode's settings -- flash attention, the weight layout exact mode
+    picks, ggml's reference CPU kernels on its context: what exact mode's output must equal."""
+    import llama_cpp
+
+    from llama_dflash.core import exact
+
+    orig = llama_cpp.llama_cpp.llama_model_default_params
+    repacked = exact.weight_layout(path, kw.get("n_threads"))
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = repacked
+        return p
+
+    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
+    try:
+        llm = llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
+    finally:
+        monkeypatch.undo()
+    assert exact.reference_kernels(llm._ctx.ctx) == 1
+    return llm
+
+
 @dataclass
 class TargetSpec:
     arch: str = "llama"          # llama | qwen3 | qwen2 | qwen3moe | qwen35, lfm2 (hybrid) | mamba (recurrent)
@@ -85,7 +126,6 @@ def write_target(path: str, spec: TargetSpec) -> str:
     """A random-weight target whose greedy continuations are varied (not one repeated token)."""
     rng = np.random.default_rng(spec.seed)
     E, hd = spec.n_embd, spec.n_embd // spec.n_head
-    voc = small_bpe_vocab()
     w = GGUFWriter(path, spec.arch)
     a = spec.arch
     w.add_name(f"tiny-{a}")
@@ -122,18 +162,7 @@ def write_target(path: str, spec: TargetSpec) -> str:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
-    w.add_uint32(f"{a}.vocab_size", VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(voc["tokens"])
-    w.add_token_types(voc["types"])
-    w.add_token_merges(voc["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(spec.eos_id)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_key_value("tokenizer.chat_template", voc["template"], GGUFValueType.STRING)
+    add_tiny_vocab(w, a, spec.eos_id)
 
     def put(name, m, qtype):
         add_matrix(w, name, m, qtype, spec.dequantized)

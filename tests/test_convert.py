@@ -20,7 +20,7 @@ from llama_dflash.formats.safetensors import open_checkpoint
 from llama_dflash.verify.reference import DFlashReference, hf_to_reference
 from llama_dflash.verify.upstream import UpstreamDrafter
 
-from hf_fixtures import VARIANTS, draft_ids, hf_tensors, make_variant, write_checkpoint
+from hf_fixtures import VARIANTS, draft_ids, hf_tensors, make_variant, with_changes, write_checkpoint
 from models import MASK_ID, VOCAB
 
 # What each variant's config must turn into (checked field by field, then used by the reference).
@@ -158,13 +158,7 @@ def test_output_types(artifacts, load_model, tmp_path, outtype, tol):
 
 
 def break_config(tmp_path, **changes):
-    cfg, _ = VARIANTS["v1_toplevel"]
-    cfg = json.loads(json.dumps(cfg))
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
+    cfg = with_changes(VARIANTS["v1_toplevel"][0], **changes)
     d = write_checkpoint(tmp_path / "bad", cfg, hf_tensors(VARIANTS["v1_toplevel"][0]))
     return d
 

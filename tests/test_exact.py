@@ -23,7 +23,7 @@ from llama_dflash import DFlashError, SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core import exact
 
-from models import cached_random_drafter, real_target
+from models import cached_random_drafter, exact_reference_llama, real_target
 
 PROMPTS = [
     "def binary_search(xs, x):\n",
@@ -104,30 +104,10 @@ def test_shipped_drafter_on_smollm2(ftype):
         assert drafted > 0
 
 
-def _reference_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
-    """llama_cpp.Llama under exact mode's settings: flash attention, the weight layout it picks,
-    ggml's reference CPU kernels."""
-    orig = llama_cpp.llama_cpp.llama_model_default_params
-    repacked = exact.weight_layout(path, kw.get("n_threads"))
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = repacked
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
-    try:
-        llm = llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
-    finally:
-        monkeypatch.undo()
-    assert exact.reference_kernels(llm._ctx.ctx) == 1
-    return llm
-
-
 def test_drop_in_equals_llama_cpp_under_the_same_settings(monkeypatch):
     target = str(default_target())
     llm = llama_dflash.Llama(target, n_ctx=1024, verbose=False, draft_model_path=str(shipped_drafter()), exact=True)
-    ref = _reference_llama(target, monkeypatch, n_ctx=1024)
+    ref = exact_reference_llama(target, monkeypatch, n_ctx=1024)
     try:
         repacked = exact.weight_layout(target)  # on this CPU: True (Q4_0's repacked kernels are invariant)
         assert llm.exact and llm.model_params.use_extra_bufts == repacked == llm._core.exact.repacked
@@ -352,7 +332,7 @@ def test_exact_by_default_on_a_quantized_target(monkeypatch, caplog):
     asked for: the default mode, said once; exact=True with it: refused."""
     target, drafter = str(default_target()), str(shipped_drafter())
     llm = llama_dflash.Llama(target, draft_model_path=drafter, n_ctx=512, verbose=False)
-    ref = _reference_llama(target, monkeypatch, n_ctx=512)
+    ref = exact_reference_llama(target, monkeypatch, n_ctx=512)
     try:
         assert llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         for p in PROMPTS[:2]:

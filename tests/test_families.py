@@ -25,6 +25,7 @@ from llama_dflash.formats.inspect import describe, fit
 from llama_dflash.verify.oracle import ReplayDraftSource
 
 from families import FAMILIES, SCHEMAS, published_drafter, write_any
+from models import exact_reference_llama
 
 PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n"]
 N_TOKENS = 120
@@ -65,27 +66,6 @@ def _expect_exact(name: str) -> bool:
     return name not in MOE or kernels.stats().enabled
 
 
-def reference_llama(path: str, monkeypatch) -> llama_cpp.Llama:
-    """llama_cpp.Llama under exact mode's settings: flash attention, the weight layout exact mode
-    picks, ggml's reference kernels on its context (tests/test_exact.py does the same)."""
-    orig = llama_cpp.llama_cpp.llama_model_default_params
-    repacked = exact.weight_layout(path, THREADS)
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = repacked
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
-    try:
-        llm = llama_cpp.Llama(path, n_ctx=512, flash_attn=True, n_threads=THREADS, n_threads_batch=THREADS,
-                              verbose=False)
-    finally:
-        monkeypatch.undo()
-    assert exact.reference_kernels(llm._ctx.ctx) == 1
-    return llm
-
-
 def _greedy(llm: llama_cpp.Llama, prompt: list[int], n: int) -> list[int]:
     out: list[int] = []
     for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
@@ -101,7 +81,7 @@ def test_family_drafts_and_equals_plain_decoding_exactly(pairs, name, monkeypatc
     if not _expect_exact(name):
         _refused_then_default_mode(target, drafter, name)
         return
-    ref = reference_llama(target, monkeypatch)
+    ref = exact_reference_llama(target, monkeypatch, n_ctx=512, n_threads=THREADS, n_threads_batch=THREADS)
     with SpeculativeGenerator(target, drafter, n_ctx=512, exact=True, n_threads=THREADS) as g:
         v = g.exact_verdict
         assert v.max_rows >= v.probed_rows >= 2, v.describe()

@@ -24,7 +24,7 @@ import llama_dflash
 from llama_dflash import DFlashError, SpeculativeGenerator
 from llama_dflash.core import exact
 
-from models import TargetSpec, drafter_config, write_random_drafter, write_target
+from models import TargetSpec, drafter_config, exact_reference_llama, write_random_drafter, write_target
 
 PROMPT = "The quick brown fox"
 N_TOKENS = 120
@@ -48,33 +48,13 @@ def _our_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "llama_dflash"]
 
 
-def _plain_llama(path: str, monkeypatch, **kw) -> llama_cpp.Llama:
-    """llama_cpp.Llama under exact mode's settings (flash attention, its weight layout, the
-    reference kernels): what exact mode's output must equal."""
-    orig = llama_cpp.llama_cpp.llama_model_default_params
-    repacked = exact.weight_layout(path, kw.get("n_threads"))
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = repacked
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
-    try:
-        llm = llama_cpp.Llama(path, flash_attn=True, verbose=False, **kw)
-    finally:
-        monkeypatch.undo()
-    assert exact.reference_kernels(llm._ctx.ctx) == 1
-    return llm
-
-
 def test_qwen35_drafts_and_equals_plain_llama_cpp(hybrid, monkeypatch):
     """The drop-in class on the hybrid target drafts (drafted > 0) in exact mode, with the context's
     n_rs_seq as long as its drafts, and its greedy output over 120 tokens is llama_cpp.Llama's."""
     a = hybrid["q8"]
     llm = llama_dflash.Llama(a["target"], draft_model_path=a["drafter"], n_ctx=512, n_threads=2, verbose=False,
                              exact=True, speculation="on", draft_n_max=7)
-    ref = _plain_llama(a["target"], monkeypatch, n_ctx=512, n_threads=2)
+    ref = exact_reference_llama(a["target"], monkeypatch, n_ctx=512, n_threads=2)
     try:
         assert llama_cpp.llama_n_rs_seq(llm._ctx.ctx) == 7 == llm.draft_n_max
         got = llm(PROMPT, max_tokens=N_TOKENS, temperature=0.0)
