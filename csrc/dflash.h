@@ -98,11 +98,19 @@ struct dflash_drafter_info {
 
 /* ---- drafter --------------------------------------------------------- */
 
+/* Load flags (0: the fastest path on the device).  The alternatives compute the same numbers by
+ * another route, for tests that prove the two agree bit for bit. */
+enum dflash_load_flags {
+    DFLASH_LOAD_GENERIC_CONV       = 1 << 0, /* DFlash2's conv as ggml's own ops, as on a GPU, not
+                                                the fused CPU node */
+    DFLASH_LOAD_GATHERED_AS_STORED = 1 << 1, /* codebooks gathered in the file's type, not held in f32 */
+};
+
 /* Load a GGUF drafter (architecture `dflash`) and bind it to `target`, whose
  * token embedding and output head it borrows (no copy).  n_ctx bounds the
- * context cache.  Validates the file against the target. */
+ * context cache; flags: enum dflash_load_flags.  Validates the file against the target. */
 dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target,
-                                     int32_t n_ctx, int32_t n_threads,
+                                     int32_t n_ctx, int32_t n_threads, uint32_t flags,
                                      char * err, size_t err_len);
 void dflash_drafter_free(dflash_drafter * d);
 /* Read and validate a drafter file as the loader does, without loading its weights: every

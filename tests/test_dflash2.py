@@ -243,17 +243,17 @@ def test_batched_blocks_equal_each_alone(artifacts, load_model, v2_drafter, tmp_
     d.close()
 
 
-def test_fused_cpu_conv_is_bit_identical_to_ggml_ops(artifacts, load_model, v2_drafter, monkeypatch):
+def test_fused_cpu_conv_is_bit_identical_to_ggml_ops(artifacts, load_model, v2_drafter):
     """On the CPU the DFlash2 convolution runs as one fused node (csrc/drafter/graph.c); it repeats
     the generic graph's float operations in their order, so drafts, logits, lattices and
-    confidences equal those of ggml's own ops (DFLASH_UNFUSED_CONV=1, as on a GPU) bit for bit --
+    confidences equal those of ggml's own ops (generic_conv, as on a GPU) bit for bit --
     alone, in growing contexts and with several sequences' blocks in one graph."""
     a = artifacts["llama"]
     model = load_model(a["target"])
     feats = np.random.default_rng(21).standard_normal((200, 192)).astype(np.float32)
 
-    def run() -> list:
-        d = Drafter(v2_drafter, model, n_ctx=512, n_threads=2)
+    def run(generic_conv: bool) -> list:
+        d = Drafter(v2_drafter, model, n_ctx=512, n_threads=2, generic_conv=generic_conv)
         out = []
         for done, anchor, n in growing_context([d], feats, [(1, 1), (9, 2), (30, 7), (2, 4), (150, 7)],
                                                np.random.default_rng(22)):
@@ -267,10 +267,8 @@ def test_fused_cpu_conv_is_bit_identical_to_ggml_ops(artifacts, load_model, v2_d
         d.close()
         return out
 
-    monkeypatch.setenv("DFLASH_UNFUSED_CONV", "1")
-    generic = run()
-    monkeypatch.delenv("DFLASH_UNFUSED_CONV")
-    fused = run()
+    generic = run(True)
+    fused = run(False)
     assert len(fused) == len(generic) == 6
     for f, g in zip(fused, generic, strict=True):
         assert f == g

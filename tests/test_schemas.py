@@ -177,7 +177,7 @@ def test_rope_matches_transformers(target, tmp_path, name):
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "bf16"])
-def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype, monkeypatch):
+def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype):
     """Codebooks, selector_hidden, fc and conv projections at the output type, as upstream writes them;
     conv bases and norms f32.  The drafter loads and matches the reference on the dequantized file;
     codebooks dequantized at load (the default) and gathered as stored draft bit-identically."""
@@ -205,8 +205,7 @@ def test_dflash2_quantized_codebooks(target, load_model, tmp_path, outtype, monk
     assert cand.shape == rcand.shape and len(toks) == 15
     mem = d.memory()["weights"]
     d.close()
-    monkeypatch.setenv("DFLASH_CODEBOOKS_AS_STORED", "1")
-    d = Drafter(out, model, n_ctx=128, n_threads=2)
+    d = Drafter(out, model, n_ctx=128, n_threads=2, gathered_as_stored=True)
     d.push(feats)
     toks2, logits2 = d.draft(77, 15, return_logits=True)
     cand2, scores2 = d.last_lattice()
@@ -306,7 +305,7 @@ def test_unknown_rope_type_cli_exit_2(target, tmp_path):
 
 
 
-def test_dflash2_llama_quantize_k_quants(target, load_model, tmp_path, monkeypatch):
+def test_dflash2_llama_quantize_k_quants(target, load_model, tmp_path):
     """A DFlash2 drafter through upstream's llama-quantize (Q4_K_M: Q4_K codebooks, the small matrices at
     its fallback types) loads and drafts like the reference on the dequantized file; its codebooks
     dequantized at load (the default) or gathered as stored, bit-identically."""
@@ -328,9 +327,8 @@ def test_dflash2_llama_quantize_k_quants(target, load_model, tmp_path, monkeypat
     embed = torch.from_numpy(read_tensors(target, ["token_embd.weight"])["token_embd.weight"].copy())
     feats = np.random.default_rng(6).standard_normal((40, 64 * 5)).astype(np.float32)
     outs = []
-    for as_stored in ("0", "1"):
-        monkeypatch.setenv("DFLASH_CODEBOOKS_AS_STORED", as_stored)
-        d = Drafter(tmp_path / "q.gguf", model, n_ctx=128, n_threads=2)
+    for as_stored in (False, True):
+        d = Drafter(tmp_path / "q.gguf", model, n_ctx=128, n_threads=2, gathered_as_stored=as_stored)
         d.push(feats)
         toks, logits = d.draft(88, 15, return_logits=True)
         outs.append((toks, logits.tobytes(), *(x.tobytes() for x in d.last_lattice())))

@@ -73,7 +73,8 @@ struct dflash_drafter {
     ggml_backend_t backends[3];    // the target head's GPU, or our small-batch kernels; then the CPU
     int n_backends;
     bool gpu;                      // backends[0] is a GPU
-    bool fused_conv;               // DFlash2's conv as one CPU node (no GPU; DFLASH_UNFUSED_CONV=1: ggml's ops)
+    uint32_t flags;                // enum dflash_load_flags
+    bool fused_conv;               // DFlash2's conv as one CPU node (no GPU; DFLASH_LOAD_GENERIC_CONV: ggml's ops)
     ggml_backend_t cpu;
     ggml_backend_sched_t sched;
     void * meta_buf;

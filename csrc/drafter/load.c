@@ -687,8 +687,7 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
     d->backends[d->n_backends++] = d->cpu;
     ggml_backend_cpu_set_n_threads(d->cpu, n_threads > 0 ? n_threads : 1);
     // (the generic graph stays reachable on the CPU so that tests compare the two bit for bit)
-    const char * unfused = getenv("DFLASH_UNFUSED_CONV");
-    d->fused_conv = !d->gpu && !(unfused && *unfused && strcmp(unfused, "0") != 0);
+    d->fused_conv = !d->gpu && !(d->flags & DFLASH_LOAD_GENERIC_CONV);
     return true;
 }
 
@@ -737,12 +736,11 @@ static bool gathered(const char * field) {
 // Whether a gathered tensor is held in f32 though the file's is not.  The DFlash2 codebooks are:
 // gathering f32 rows made a draft 2 % faster on the CPU than gathering q8_0 ones (SmolLM2-135M
 // DFlash2 drafter, rank 256: 29.3 vs 29.9 ms CPU time a call, medians of 150 interleaved calls) for
-// 4x their q8_0 memory.  DFLASH_CODEBOOKS_AS_STORED=1 keeps them as stored (tests compare the two
+// 4x their q8_0 memory.  DFLASH_LOAD_GATHERED_AS_STORED keeps them as stored (tests compare the two
 // paths).  Any gathered tensor is too where the backend's get_rows lacks its type (CUDA: K-quants).
 static bool hold_f32(const struct dflash_drafter * d, const char * field, enum ggml_type type) {
     if (type == GGML_TYPE_F32) return false;
-    const char * env = getenv("DFLASH_CODEBOOKS_AS_STORED");
-    const bool as_stored = env && *env && strcmp(env, "0") != 0;
+    const bool as_stored = d->flags & DFLASH_LOAD_GATHERED_AS_STORED;
     if (strcmp(field, "tok_embd") != 0 && !as_stored) return true;
     if (!d->gpu) return false;
     struct ggml_init_params ip = { 4 * ggml_tensor_overhead(), NULL, true };
@@ -864,7 +862,7 @@ void dflash_drafter_free(dflash_drafter * d) {
 }
 
 dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target, int32_t n_ctx,
-                                     int32_t n_threads, char * err, size_t err_len) {
+                                     int32_t n_threads, uint32_t flags, char * err, size_t err_len) {
     if (!path || !target) {
         dflash_seterr(err, err_len, "drafter path and target model are required");
         return NULL;
@@ -878,6 +876,7 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
     struct drafter_file f = { 0 };
     bool ok = d && ft;
     if (!ok) dflash_seterr(err, err_len, "out of memory loading a drafter");
+    if (d) d->flags = flags;
     ok = ok && file_open(&f, &d->hp, path, err, err_len) && validate_target(&d->hp, f.g, target, path, err, err_len) &&
          find_tensors(&d->hp, f.g, f.meta, ft, path, err, err_len);
     if (ok) {
