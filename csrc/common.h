@@ -2,16 +2,16 @@
 #pragma once
 
 #include "dflash.h"
+#include "dflash_format.h"
 
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <time.h>
 
-// Tokens one block of the drafter drafts: block_size - 1, or block_size when the anchor's slot
-// predicts too (sample_from_anchor).
+// Tokens one block of the drafter drafts (dflash_format.h).
 static inline int32_t dflash_max_draft(const struct dflash_drafter_info * hp) {
-    return hp->block_size - (hp->sample_from_anchor ? 0 : 1);
+    return (int32_t) (DFLASH_MAX_DRAFT_EXPR);
 }
 
 // Write a one-line message into a caller's buffer (may be NULL).

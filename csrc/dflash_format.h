@@ -16,7 +16,7 @@
  *   write    when the writer emits it: ALWAYS | NONDEF (value != default) |
  *            SCALED (rope scaling set) | YARN | SWA (sliding window set) | V2
  * Exceptions the code handles by name: target_layers are stored as HF layer
- * id + 1; rope_scaling is a string in the file ("none", "linear", "yarn");
+ * id + 1; rope_scaling is a string in the file (DFLASH_ROPE_SCALINGS below);
  * causal_layers (ours, not upstream's) overrides the global causal flag per layer;
  * value_scale 0 means unset (upstream's convention).  llama3 RoPE and HF YaRN
  * variants ggml cannot express natively are stored as rope_freqs.weight factors.
@@ -125,5 +125,19 @@
 /* Tensors of other drafter families, named in the refusal: X(name, what) */
 #define DFLASH_REFUSED_TENSORS(X) \
     X("markov_w1.weight", "a DSpark drafter (markov_w1.weight)")
+
+/* rope_scaling's values, numbered in this order in struct dflash_drafter_info: X(ID, name) */
+#define DFLASH_ROPE_SCALINGS(X) \
+    X(NONE,   "none") \
+    X(LINEAR, "linear") \
+    X(YARN,   "yarn")
+
+#define X(id, name) DFLASH_ROPE_##id,
+enum dflash_rope_scaling { DFLASH_ROPE_SCALINGS(X) };
+#undef X
+
+/* Tokens one block drafts: block_size - 1, or block_size when the anchor's slot predicts too
+ * (sample_from_anchor).  An expression over hp-> as in the keys' defaults. */
+#define DFLASH_MAX_DRAFT_EXPR hp->block_size - 1 + hp->sample_from_anchor
 
 #endif /* DFLASH_FORMAT_H */

@@ -111,7 +111,7 @@ static struct ggml_tensor * rms(struct ggml_context * ctx, struct ggml_tensor * 
 static struct ggml_tensor * rope(const struct dflash_drafter * d, struct ggml_context * ctx, struct ggml_tensor * x,
                                  struct ggml_tensor * pos) {
     const struct dflash_drafter_info * hp = &d->hp;
-    const bool scaled = hp->rope_scaling != 0, yarn = hp->rope_scaling == 2;
+    const bool scaled = hp->rope_scaling != DFLASH_ROPE_NONE, yarn = hp->rope_scaling == DFLASH_ROPE_YARN;
     return ggml_rope_ext(ctx, x, pos, d->w.rope_freqs, hp->rope_dims, GGML_ROPE_TYPE_NEOX, hp->rope_orig_ctx,
                          hp->rope_theta, scaled ? 1.0f / hp->rope_factor : 1.0f, yarn ? hp->yarn_ext_factor : 0.0f,
                          hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);

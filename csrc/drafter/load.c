@@ -38,7 +38,9 @@ struct key_reader {
     int32_t n_target_layers, n_rope_sections, n_swa_layers, n_causal_layers; // array lengths read
 };
 
-static const char * const ROPE_SCALING_NAMES[] = { "none", "linear", "yarn" };
+#define X(id, name) name,
+static const char * const ROPE_SCALING_NAMES[] = { DFLASH_ROPE_SCALINGS(X) };
+#undef X
 
 // Present?  An absent key is an error when the table requires it (V2: in a DFlash2 file).
 static int64_t find_key(struct key_reader * r, const char * key, int need, bool * ok) {
@@ -215,10 +217,10 @@ static bool check_values(const struct dflash_drafter_info * hp, const char * pat
     if (hp->rope_dims < 2 || hp->rope_dims > hp->head_dim || hp->rope_dims % 2 != 0) {
         FAIL("'%s': dflash.rope.dimension_count %d must be even and in 2..head_dim (%d)", path, hp->rope_dims, hp->head_dim);
     }
-    if (hp->rope_scaling != 0 && !(hp->rope_factor > 0.0f)) {
+    if (hp->rope_scaling != DFLASH_ROPE_NONE && !(hp->rope_factor > 0.0f)) {
         FAIL("'%s': rope scaling '%s' needs a positive dflash.rope.scaling.factor", path, ROPE_SCALING_NAMES[hp->rope_scaling]);
     }
-    if (hp->rope_scaling == 2 && hp->rope_orig_ctx < 1) FAIL("'%s': YaRN needs a positive original_context_length", path);
+    if (hp->rope_scaling == DFLASH_ROPE_YARN && hp->rope_orig_ctx < 1) FAIL("'%s': YaRN needs a positive original_context_length", path);
     if (hp->softcap < 0.0f) FAIL("'%s': final_logit_softcapping %g is negative", path, (double) hp->softcap);
     if (hp->version == 2) {
         if (hp->conv_kernel_size < 1 || hp->conv_kernel_size > 8) FAIL("'%s': conv_kernel_size %d is outside 1..8", path, hp->conv_kernel_size);

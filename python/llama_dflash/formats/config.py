@@ -100,7 +100,7 @@ class DrafterConfig:
     @property
     def max_draft(self) -> int:
         """Tokens one block drafts: block_size - 1, or block_size when the anchor's slot predicts."""
-        return self.block_size - (0 if self.sample_from_anchor else 1)
+        return int(evaluate(_T.max_draft, self))
 
     @property
     def is_v2(self) -> bool:
@@ -115,7 +115,7 @@ class DrafterConfig:
         return len(self.target_layers)
 
 
-ROPE_SCALING_NAMES = ("none", "linear", "yarn")  # the C loader's order (rope_scaling as an index)
+ROPE_SCALING_NAMES = _T.rope_scalings  # C's struct holds rope_scaling as an index into these
 
 
 def from_info(info) -> DrafterConfig:

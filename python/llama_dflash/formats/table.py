@@ -71,6 +71,8 @@ class Table:
     top: tuple[Tensor, ...]
     layer: tuple[Tensor, ...]
     arch: str
+    rope_scalings: tuple[str, ...]  # rope_scaling's names, numbered in this order in C
+    max_draft: str                  # tokens one block drafts: an expression over hp->
 
     def key(self, field: str) -> Key:
         return next(k for k in self.keys if k.field == field)
@@ -162,8 +164,12 @@ def parse(src: str) -> Table:
                             per_layer) for f, n, need, dt, e0, e1, e2, hf in rows)
 
     arch = re.search(r'#define DFLASH_ARCH "(\w+)"', src)
+    max_draft = re.search(r"#define DFLASH_MAX_DRAFT_EXPR (.+)", src)
+    if not max_draft:
+        raise ImportError(f"{HEADER}: DFLASH_MAX_DRAFT_EXPR not found")
     return Table(keys, equal, alias, refused, tensors("DFLASH_TOP_TENSORS", False),
-                 tensors("DFLASH_LAYER_TENSORS", True), arch.group(1) if arch else "")
+                 tensors("DFLASH_LAYER_TENSORS", True), arch.group(1) if arch else "",
+                 tuple(_string(n) for _, n in _entries(src, "DFLASH_ROPE_SCALINGS")), max_draft.group(1).strip())
 
 
 def header_path() -> Path:
