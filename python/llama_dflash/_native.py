@@ -17,7 +17,7 @@ import llama_cpp  # (imported first: it loads the libllama the core binds to)
 from llama_cpp import _logger
 
 from ._files import find
-from .errors import printable
+from .errors import DFlashError, printable
 
 
 def _cdef_from_header(text: str) -> str:
@@ -96,6 +96,27 @@ class Resource:
             self.close()
 
 
+def load_model(path: str | os.PathLike, params=None, what: str = "model"):
+    """llama.cpp's ``llama_model *`` for a GGUF file (``llama_model_free`` frees it): every model
+    the package loads itself comes from here.  params: ``llama_model_params`` (None: the defaults)."""
+    llama_cpp.llama_backend_init()
+    if params is None:
+        params = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(os.fsencode(os.fspath(path)), params)
+    if not model:
+        raise DFlashError(f"cannot load {what} {printable(os.fspath(path))!r} (not a valid GGUF model?)")
+    return model
+
+
+def new_context(model, params, what: str = "a llama context"):
+    """llama.cpp's ``llama_context *`` on a loaded model (``llama_free`` frees it): every context the
+    package creates itself comes from here."""
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise DFlashError(f"could not create {what} ({params.n_ctx} positions, {params.n_seq_max} sequences)")
+    return ctx
+
+
 def tokenize(vocab, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
     """llama_tokenize into a buffer of the size it asks for."""
     n_max = len(data) + 16
@@ -114,12 +135,12 @@ class Tokenizer(Resource):
         self._model = None
         if verbose is not None:  # None: leave llama.cpp's log level as the caller set it
             _logger.set_verbose(verbose)
-        llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
-        self._model = llama_cpp.llama_model_load_from_file(os.fspath(path).encode(), params)
-        if not self._model:
-            raise ValueError(f"cannot read the vocabulary of {os.fspath(path)!r} (not a GGUF model?)")
+        try:
+            self._model = load_model(path, params)
+        except DFlashError:
+            raise ValueError(f"cannot read the vocabulary of {os.fspath(path)!r} (not a GGUF model?)") from None
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 

@@ -1,6 +1,7 @@
 """The engine core: the only layer above the binding that holds native handles (target
 context, capture, drafter, engine); everything above it goes through EngineCore,
-SpeculativeGenerator or Drafter."""
+SpeculativeGenerator or Drafter.  (llama_dflash.Llama's own target model and context are
+llama-cpp-python's, made by its base class.)"""
 
 from .._native import Tokenizer
 from .drafter import Drafter

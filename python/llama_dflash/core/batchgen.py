@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from .._native import Resource
+from .._native import Resource, load_model, new_context
+from ..errors import DFlashError
 from .capture import Capture
 
 
@@ -65,11 +66,7 @@ class BatchGenerator(Resource):
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
         self.n_seq, self.max_len, self.top_k = n_seq, max_len, top_k
-        llama_cpp.llama_backend_init()
-        mp = llama_cpp.llama_model_default_params()
-        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mp)
-        if not self._model:
-            raise RuntimeError(f"could not load {model_path}")
+        self._model = load_model(model_path, what="target model")
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_seq * max_len
         cp.n_batch = cp.n_ubatch = max(512, n_seq * 8)
@@ -80,10 +77,11 @@ class BatchGenerator(Resource):
         if capture_layers:
             self._capture = Capture(self._model, capture_layers, cp.n_batch)
             self._capture.install(cp)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
-        if not self._ctx:
+        try:
+            self._ctx = new_context(self._model, cp, f"a context of {n_seq} x {max_len} positions")
+        except DFlashError:
             self.close()
-            raise RuntimeError("could not create a llama context")
+            raise
         if self._capture is not None:
             self._capture.attach(self._ctx)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)

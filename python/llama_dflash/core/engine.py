@@ -1,4 +1,5 @@
-"""The engine core: the one owner of speculative decoding's native handles.
+"""The engine core: the one owner of speculative decoding's native handles (capture, drafter,
+engines, the joint batches' context).
 
 ``EngineCore`` sits on a loaded target model (``llama_model *``) and the context created for
 it.  It loads the drafter, sets up feature capture -- layer inputs where the architecture's
@@ -9,6 +10,7 @@ generations described by one typed ``EngineRequest``.  ``SpeculativeGenerator`` 
 parameter travels entry point -> ``EngineRequest`` -> ``struct dflash_engine_params``.
 ``JointEngines`` holds the native side of several sequences stepped together (the group's
 context, capture and per-sequence engines); ``core/group.py`` schedules them without a handle.
+Models and contexts themselves are made by ``_native.load_model`` / ``_native.new_context`` alone.
 """
 
 from __future__ import annotations
@@ -531,10 +533,12 @@ class JointEngines(_native.Resource):
         if taps:
             self._capture = Capture(core._model, taps, int(cp.n_batch), core.capture_mode)
             self._capture.install(cp)
-        self._ctx = llama_cpp.llama_init_from_model(core._model, cp)
-        if not self._ctx:
+        try:
+            self._ctx = _native.new_context(core._model, cp, f"a context of {n_seq} x {n_ctx} positions for concurrent "
+                                                             "requests")
+        except DFlashError:
             self.close()
-            raise DFlashError(f"could not create a context of {n_seq} x {n_ctx} positions for concurrent requests")
+            raise
         try:
             if self._capture is not None:
                 self._capture.attach(self._ctx)

@@ -348,8 +348,9 @@ def _kernels_take_every_product(path: str) -> bool:
 def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
     mp = llama_cpp.llama_model_default_params()
     mp.use_extra_bufts = repacked
-    model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mp)
-    if not model:
+    try:
+        model = _native.load_model(path, mp)
+    except DFlashError:
         return None
     try:
         cp = llama_cpp.llama_context_default_params()
@@ -357,8 +358,9 @@ def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.no_perf = True
         cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx = llama_cpp.llama_init_from_model(model, cp)
-        if not ctx:
+        try:
+            ctx = _native.new_context(model, cp)
+        except DFlashError:
             return None
         try:
             reference_kernels(ctx)
@@ -423,9 +425,7 @@ def self_check_for(cparams, model, model_path: str | os.PathLike | None, n_rows:
     cp.n_seq_max = 1
     cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()  # (not the capture's)
     cp.cb_eval_user_data = None
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    if not ctx:
-        raise DFlashError("exact mode: could not create a context for its self-check")
+    ctx = _native.new_context(model, cp, "a context for exact mode's self-check")
     try:
         reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
         return self_check(ctx, model, model_path, n_rows, n_threads, repacked, placement)

@@ -93,7 +93,7 @@ class SpeculativeGenerator(_native.Resource):
             check_file(drafter_path, "drafter")
         if verbose is not None:  # None: leave llama.cpp's log level as the caller set it
             _logger.set_verbose(verbose)
-        llama_cpp.llama_backend_init()
+        llama_cpp.llama_backend_init()  # (before the rpc servers are registered)
         if rpc_servers is not None:
             self._cluster = rpc.Cluster(rpc_servers, timeout_s=rpc_timeout_s)
         placement = f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu"
@@ -115,11 +115,12 @@ class SpeculativeGenerator(_native.Resource):
         load.apply(mparams)
         if cluster is not None:
             cluster.apply(mparams)
-        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(os.fspath(model_path)), mparams)
-        if not self._model:
+        try:
+            self._model = _native.load_model(model_path, mparams, "target model")
+        except DFlashError:
             if cluster is not None:
-                raise cluster.load_error(model_path)
-            raise DFlashError(f"cannot load target model {os.fspath(model_path)!r} (not a valid GGUF model?)")
+                raise cluster.load_error(model_path) from None
+            raise
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         n_ctx = self.n_ctx
@@ -145,12 +146,13 @@ class SpeculativeGenerator(_native.Resource):
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self._core.prepare_context(cparams)  # (exact="auto" falling back puts the caller's flash attention back)
         self.flash_attn = cparams.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
+        try:
+            self._ctx = _native.new_context(self._model, cparams, f"a context with n_ctx={n_ctx}, n_batch={n_batch}")
+        except DFlashError:
             self.close()
             if cluster is not None:
-                raise cluster.load_error(model_path)
-            raise DFlashError(f"cannot create a context with n_ctx={n_ctx}, n_batch={n_batch}")
+                raise cluster.load_error(model_path) from None
+            raise
         try:
             self._core.attach(self._ctx)  # (exact mode's self-check decodes: over the servers too)
             self._check_rpc(loading=True)

@@ -12,6 +12,8 @@ import ctypes
 import llama_cpp
 import numpy as np
 
+from .. import _native
+
 
 class UpstreamDrafter:
     """Runs a drafter GGUF through libllama's `dflash` architecture.
@@ -28,11 +30,8 @@ class UpstreamDrafter:
         cp.n_batch = n_ctx
         cp.n_ubatch = n_ctx
         cp.n_threads = cp.n_threads_batch = n_threads
-        self.tctx = llama_cpp.llama_init_from_model(target_model, cp)
-        assert self.tctx
-        self.model = llama_cpp.llama_model_load_from_file(drafter_path.encode(),
-                                                           llama_cpp.llama_model_default_params())
-        assert self.model, "upstream libllama refused the drafter GGUF"
+        self.tctx = _native.new_context(target_model, cp)
+        self.model = _native.load_model(drafter_path, what="drafter (upstream libllama's dflash)")
         dp = llama_cpp.llama_context_default_params()
         dp.n_ctx = n_ctx
         dp.n_batch = n_ctx
@@ -43,8 +42,7 @@ class UpstreamDrafter:
             # f32 cache like ours: the default f16 cache alone moves logits by ~1e-2.
             dp.type_k = dp.type_v = llama_cpp.GGML_TYPE_F32
             dp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.ctx = llama_cpp.llama_init_from_model(self.model, dp)
-        assert self.ctx
+        self.ctx = _native.new_context(self.model, dp)
         # upstream's common code: non-causal unless the file says dflash.attention.causal
         llama_cpp.llama_set_causal_attn(self.ctx, self._meta("dflash.attention.causal") == "true")
         # DFlash v1: upstream leaves logit scale / softcap to the sampler; apply them here
