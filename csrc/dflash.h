@@ -291,6 +291,10 @@ void    dflash_kernels_set_enabled(bool on);
 /* Whether the kernels, as registered and switched now, take products of weights of this ggml type
  * (in either layout: the repacked one where ggml-cpu repacks it). */
 bool    dflash_kernels_take_type(int32_t type);
+/* Whether they take the products of every matrix (every tensor of 2 or more dimensions; an f32 MoE
+ * router, ffn_gate_inp, as f32) of a GGUF model file.  Reads the file's header only.  1, 0, or -1 where
+ * the file cannot be read as GGUF. */
+int32_t dflash_kernels_take_file(const char * path);
 
 struct dflash_kernel_stats {
     bool    registered;

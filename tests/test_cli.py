@@ -28,16 +28,18 @@ def test_generate_json(artifacts, tmp_path):
     for k in ("steps", "drafted", "accepted", "tau", "per_position", "t_draft_s", "t_verify_s", "t_total_s",
               "tokens_per_s"):
         assert k in st
-    assert len(out["tokens"]) == 24 and st["drafted"] > 0 and 1 <= st["tau"] <= 8
+    assert len(out["tokens"]) == 24 and 1 <= st["tau"] <= 8
     # adaptive by default: the chosen lengths, the cost model's prediction, calibrated acceptance per position
+    # (how much it drafts follows this machine's live costs: tests/test_policy.py runs it on a modelled clock)
     assert st["adaptive"] and sum(st["lengths"]) == st["steps"] and st["lengths"][0] >= st["plain_steps"]
-    assert st["t_predicted_s"] > 0 and len(st["per_position_expected"]) == len(st["per_position"]) > 0
+    assert st["t_predicted_s"] > 0 and len(st["per_position_expected"]) == len(st["per_position"])
     assert all(0 < e < 1 for e in st["per_position_expected"])
     fixed = run("generate", "--model", a["target"], "--drafter", a["drafter"], "--prompt-file", str(pf),
                 "--max-tokens", "24", "--draft-len", "7", "--n-ctx", "256", "--speculation", "on", "--json")
     assert fixed.returncode == 0, fixed.stderr
     f = json.loads(fixed.stdout)
     assert not f["stats"]["adaptive"] and f["stats"]["plain_steps"] == 0 and f["tokens"] == out["tokens"]
+    assert f["stats"]["drafted"] > 0 and 1 <= f["stats"]["tau"] <= 8
     plain = run("generate", "--model", a["target"], "--prompt", "The capital of France is", "--max-tokens", "24",
                 "--n-ctx", "256", "--json")
     assert plain.returncode == 0, plain.stderr

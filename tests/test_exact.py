@@ -23,7 +23,7 @@ from llama_dflash import DFlashError, SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.core import exact
 
-from models import cached_random_drafter, exact_reference_llama, real_target
+from models import TargetSpec, cached_random_drafter, exact_reference_llama, real_target, write_target
 
 PROMPTS = [
     "def binary_search(xs, x):\n",
@@ -200,7 +200,12 @@ def test_weight_layout_keeps_the_layout_that_stays_invariant_longer(tmp_path, mo
     monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
     monkeypatch.setattr(exact, "_layouts", {})
     monkeypatch.setattr(exact, "_kernels_take_every_product", lambda p: False)
-    # the real probe: each layout's verdict on a throw-away load, the pick cached on disk
+    # the real probe: each layout's verdict on a throw-away load, the pick cached on disk (on a tiny
+    # Q4_0 target: the same two layouts, probed in a second rather than a minute)
+    path = write_target(str(tmp_path / "q4_0.gguf"), TargetSpec(tied=False, output_type="q4_0", matrix_type="q4_0"))
+    # (its f32 embedding is a matrix the kernels do not read; so is a file that is not GGUF)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(60))
+    assert not any(map(exact._kernels_take_every_product, (path, str(tmp_path / "bad.gguf"), str(tmp_path / "no"))))
     rows = {r: exact._probe_layout(path, 2, r) for r in (True, False)}
     assert all(2 <= n <= exact.PROBE_ROWS for n in rows.values())
     assert exact.weight_layout(path, 2) == (rows[True] >= rows[False])

@@ -18,6 +18,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "gguf.h"
 
 #include <omp.h>
 #include <pthread.h>
@@ -474,6 +475,23 @@ bool dflash_kernels_take_type(int32_t type) {
     bool ok;
     wtype_of((enum ggml_type) type, &ok);
     return ok && g_isa != NULL && atomic_load(&g_enabled);
+}
+
+int32_t dflash_kernels_take_file(const char * path) {
+    struct ggml_context * meta = NULL;
+    struct gguf_init_params gp = { true, &meta };  // (no_alloc: the tensors' shapes, not their data)
+    struct gguf_context * g = path ? gguf_init_from_file(path, gp) : NULL;
+    if (!g) return -1;
+    int32_t n = 0, taken = 0;
+    for (struct ggml_tensor * t = meta ? ggml_get_first_tensor(meta) : NULL; t; t = ggml_get_next_tensor(meta, t)) {
+        if (ggml_n_dims(t) < 2) continue;
+        n++;
+        const bool router = t->type == GGML_TYPE_F32 && strstr(t->name, "ffn_gate_inp") != NULL;
+        taken += router || dflash_kernels_take_type(t->type);
+    }
+    gguf_free(g);
+    if (meta) ggml_free(meta);
+    return n > 0 && taken == n;
 }
 
 ggml_backend_t dflash_kernels_backend(int n_threads) {

@@ -334,15 +334,9 @@ def _kernels_take_every_product(path: str) -> bool:
     """Whether the small-batch kernels take the products of every weight of this GGUF (each matrix's
     type one they read, in either layout); they then run every row count in exact mode, so both
     layouts round alike and the faster repacked one is kept without probing."""
-    from gguf import GGUFReader
-
-    try:
-        # (a MoE router, ffn_gate_inp*, is f32 in converted models: the kernels take it as f32, csrc/kernels/backend.c)
-        types = {int(t.tensor_type) for t in GGUFReader(path, "r").tensors
-                 if len(t.shape) >= 2 and not ("ffn_gate_inp" in t.name and int(t.tensor_type) == 0)}
-    except Exception:  # noqa: BLE001 - unreadable here: probe as before (the load reports a bad file)
-        return False
-    return bool(types) and all(_native.lib.dflash_kernels_take_type(t) for t in types)
+    # (the header only, read in C: a Python reader spends seconds on a 262k-token vocabulary; an
+    # unreadable file is probed as before, and its load reports it)
+    return _native.lib.dflash_kernels_take_file(os.fsencode(path)) == 1
 
 
 def _probe_layout(path: str, n_threads: int, repacked: bool) -> int | None:
