@@ -6,7 +6,7 @@
 # Prints the binary's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CACHE=${LLAMA_DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-dflash}
+CACHE=${LLAMA_DFLASH_FILES:-${LLAMA_DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-dflash}}
 dst="$CACHE/upstream"
 bin="$dst/build/bin/llama-speculative-simple"
 if [ -x "$bin" ]; then echo "$bin"; exit 0; fi

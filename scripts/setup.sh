@@ -23,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-CACHE=${LLAMA_DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-dflash}
+CACHE=${LLAMA_DFLASH_FILES:-${LLAMA_DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-dflash}}  # (as cache.files_dir)
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 die() { echo "setup.sh: $*" >&2; exit 1; }
 

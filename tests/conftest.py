@@ -9,6 +9,21 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The suite's own cache (exact-mode verdicts, cost models, calibrations), fresh each session, so that no
+# result depends on what an earlier run or the user left there; the downloaded and derived files
+# (models checked against their hashes, test drafters keyed by their bytes, rpc-server, wheels) are
+# shared with the user's cache.  Subprocesses inherit both.
+if "LLAMA_DFLASH_FILES" not in os.environ:
+    from llama_dflash.cache import files_dir  # noqa: E402
+
+    os.environ["LLAMA_DFLASH_FILES"] = str(files_dir())
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    os.environ["LLAMA_DFLASH_CACHE"] = tempfile.mkdtemp(prefix="llama-dflash-tests-")
+    atexit.register(shutil.rmtree, os.environ["LLAMA_DFLASH_CACHE"], True)
+
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger  # noqa: E402
 

@@ -352,12 +352,12 @@ def cached_random_drafter(name: str, cfg: DrafterConfig, target, outtype: str = 
     import hashlib
     from pathlib import Path
 
-    from llama_dflash.cache import cache_dir
+    from llama_dflash.cache import files_dir
     from llama_dflash.formats import gguf, table
 
     key = hashlib.sha256(f"{cfg!r}|{seed}|{outtype}".encode() + table.header_path().read_bytes()
                          + Path(gguf.__file__).read_bytes()).hexdigest()[:16]
-    path = cache_dir() / "test-drafters" / f"{name}-random-{key}.gguf"
+    path = files_dir() / "test-drafters" / f"{name}-random-{key}.gguf"
     if not path.is_file():
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".part")

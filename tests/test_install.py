@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from llama_dflash.cache import files_dir
+
 SCRIPT = r"""
 import json, os, sys
 order = sys.argv[1]
@@ -57,7 +59,7 @@ def test_single_copy_of_native_libraries(artifacts, order):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = Path(os.environ.get("LLAMA_DFLASH_CACHE", Path.home() / ".cache" / "llama-dflash")) / "wheels"
+WHEELS = files_dir() / "wheels"  # (scripts/setup.sh's wheel cache)
 
 
 def _run(*cmd, cwd=None, env=None):

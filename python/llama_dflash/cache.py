@@ -1,5 +1,5 @@
-"""The per-user cache folder (requantized models, assembled targets, exact-mode verdicts, cost
-models) and the small JSON stores in it, keyed by what decides their contents."""
+"""The per-user cache folder (exact-mode verdicts, cost models; by default also the files: requantized
+models, assembled targets) and the small JSON stores in it, keyed by what decides their contents."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ def cache_dir() -> Path:
     """$LLAMA_DFLASH_CACHE, else $XDG_CACHE_HOME/llama-dflash (default ~/.cache/llama-dflash)."""
     d = Path(os.environ.get("LLAMA_DFLASH_CACHE") or
              Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-dflash")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def files_dir() -> Path:
+    """Downloaded and derived files (assembled and requantized models, rpc-server, wheels): each
+    keyed by its sources or checked against a hash, so any run may share them.  $LLAMA_DFLASH_FILES,
+    else the cache folder (the test suite keeps its verdicts and cost models apart, not these)."""
+    env = os.environ.get("LLAMA_DFLASH_FILES")
+    if not env:
+        return cache_dir()
+    d = Path(env)
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -201,10 +201,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
     drafter = shipped_drafter()
     trained = drafter is not None
     if drafter is None:
+        from ..cache import files_dir
         from ..formats.gguf import DrafterConfig, random_drafter_tensors, write_drafter
-        from .models import cache_dir
 
-        drafter = cache_dir() / "smollm2-135m-dflash-untrained.gguf"
+        drafter = files_dir() / "smollm2-135m-dflash-untrained.gguf"
         if not drafter.is_file():
             cfg = DrafterConfig(n_embd=576, n_layer=2, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536,
                                 target_layers=[1, 8, 14, 20, 27], block_size=8, mask_token_id=16,

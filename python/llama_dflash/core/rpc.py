@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import _native, options
 from .._native import ffi, lib
-from ..cache import cache_dir
+from ..cache import files_dir
 from ..errors import DFlashError
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -186,7 +186,7 @@ def server_binary() -> Path | None:
     env = os.environ.get("LLAMA_DFLASH_RPC_SERVER")
     if env:
         return Path(env) if os.access(env, os.X_OK) else None
-    p = cache_dir() / "bin" / "rpc-server"
+    p = files_dir() / "bin" / "rpc-server"
     if p.exists() and os.access(p, os.X_OK):
         return p.resolve()
     found = shutil.which("rpc-server")

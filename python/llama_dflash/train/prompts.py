@@ -187,11 +187,11 @@ def _cached_collection(name: str, version: tuple, collector: str) -> list[tuple[
     import importlib.metadata as md
     import subprocess
 
-    from ..cache import cache_dir
+    from ..cache import files_dir
 
     versions = {n: md.version(n) for n in package_licences()}
     key = hashlib.sha256(json.dumps([versions, *version, sys.version_info[:2]]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{key}.json"
+    path = files_dir() / f"{name}-{key}.json"
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())]
     # the result goes to a file: some modules print while they are imported
