@@ -735,10 +735,9 @@ static bool gathered(const char * field) {
     return strcmp(field, "tok_embd") == 0 || strcmp(field, "sel_pred") == 0 || strcmp(field, "sel_succ") == 0;
 }
 
-// Whether a gathered tensor is held in f32 though the file's is not.  The DFlash2 codebooks are:
-// gathering f32 rows made a draft 2 % faster on the CPU than gathering q8_0 ones (SmolLM2-135M
-// DFlash2 drafter, rank 256: 29.3 vs 29.9 ms CPU time a call, medians of 150 interleaved calls) for
-// 4x their q8_0 memory.  DFLASH_LOAD_GATHERED_AS_STORED keeps them as stored (tests compare the two
+// Whether a gathered tensor is held in f32 though the file's is not.  The DFlash2 codebooks are: a
+// draft gathers hundreds of their rows, and f32 rows need no dequantizing (a draft 2 % faster, for 4x
+// the memory of q8_0); DFLASH_LOAD_GATHERED_AS_STORED keeps them as stored (tests compare the two
 // paths).  Any gathered tensor is too where the backend's get_rows lacks its type (CUDA: K-quants).
 static bool hold_f32(const struct dflash_drafter * d, const char * field, enum ggml_type type) {
     if (type == GGML_TYPE_F32) return false;
