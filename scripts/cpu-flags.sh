@@ -3,7 +3,10 @@
 # native build enables AMX kernels that segfault on this CPU class).  Shared by setup.sh (the
 # llama-cpp-python build) and bench/build-upstream.sh (upstream's examples, built alike).
 flags="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+# LLAMA_DFLASH_ISA=avx2 builds for an AVX2-only CPU (AMD Zen 2) on any x86 CPU with AVX2: no AVX512,
+# no AVX-VNNI
 cpu=$(grep -m1 '^flags' /proc/cpuinfo || true)
+[ "${LLAMA_DFLASH_ISA:-}" = avx2 ] && cpu=$(tr ' ' '\n' <<< "$cpu" | grep -v -e '^avx512' -e '^avx_vnni' | tr '\n' ' ')
 has() { [[ " $cpu " == *" $1 "* ]]; }
 has avx && flags="$flags -DGGML_AVX=ON"
 has avx2 && flags="$flags -DGGML_AVX2=ON"

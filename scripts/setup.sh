@@ -60,6 +60,9 @@ if [ "$RPC" = 1 ]; then
     if [ "$CUDA" = 1 ]; then WHEELS="$WHEELS-rpc"; else WHEELS="$CACHE/wheels/rpc"; fi
     want_rpc=True
 fi
+if [ "${LLAMA_DFLASH_ISA:-}" = avx2 ]; then  # (wheels/avx2, wheels/rpc-avx2, ...)
+    if [ "$WHEELS" = "$CACHE/wheels" ]; then WHEELS="$CACHE/wheels/avx2"; else WHEELS="$WHEELS-avx2"; fi
+fi
 mkdir -p "$WHEELS"
 offline=()
 [ -n "${PIP_NO_INDEX:-}" ] && offline=(--no-build-isolation)
@@ -81,10 +84,14 @@ sdist() {
 # environment; offline, llama-cpp-python's own build uses it too).
 pip_install "scikit-build-core>=0.10"
 
-# An installed 0.3.36 is kept unless --cuda / --rpc asks for a GPU / RPC build it is not.
+# An installed 0.3.36 is kept unless --cuda / --rpc asks for a GPU / RPC build it is not (or
+# LLAMA_DFLASH_ISA=avx2 an AVX2-only build: scripts/cpu-flags.sh).
+no_avx512=False
+[ "${LLAMA_DFLASH_ISA:-}" = avx2 ] && no_avx512=True
 if ! "$PY" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36' or
                ($want_gpu and not llama_cpp.llama_supports_gpu_offload()) or
-               ($want_rpc and not llama_cpp.llama_supports_rpc()))" 2>/dev/null; then
+               ($want_rpc and not llama_cpp.llama_supports_rpc()) or
+               ($no_avx512 and b'AVX512 = 1' in llama_cpp.llama_print_system_info()))" 2>/dev/null; then
     whl=$(ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
     if [ -z "$whl" ]; then
         echo "building llama-cpp-python 0.3.36 from source (about 6 minutes on 2 cores)..."

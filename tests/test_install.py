@@ -82,7 +82,7 @@ def _venv(path: Path) -> tuple[Path, dict]:
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
     env.pop("PYTHONPATH", None)
     py = path / "bin" / "python"
-    wheels = sorted(WHEELS.glob("llama_cpp_python-0.3.36-*.whl"))
+    wheels = sorted(WHEELS.rglob("llama_cpp_python-0.3.36-*.whl"))  # (any of setup.sh's builds)
     assert wheels, f"no llama-cpp-python 0.3.36 wheel in {WHEELS}: run scripts/setup.sh first"
     _run(py, "-m", "pip", "install", "-q", "--find-links", WHEELS, wheels[0], env=env)
     return py, env
