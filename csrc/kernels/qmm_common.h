@@ -80,9 +80,26 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
         for (int64_t b = 0; b < (kp + bs - 1) / bs; b++) {
             const int64_t j0 = bs * b, j1 = j0 + bs < k ? j0 + bs : k, p1 = j0 + bs < kp ? j0 + bs : kp;
             float amax = 0.0f;
-            for (int64_t j = j0; j < j1; j++) amax = fmaxf(amax, fabsf(xr[j]));
+            int64_t j = j0;
+            /* 8 values at a time where they are whole (the maximum and each rounding come out as the
+             * scalar loop's: max is exact, and round-to-nearest-even is nearbyintf's mode) */
+            __m256 m8 = _mm256_setzero_ps();
+            const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            for (; j + 8 <= j1; j += 8) m8 = _mm256_max_ps(m8, _mm256_and_ps(_mm256_loadu_ps(xr + j), abs_mask));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            amax = _mm_cvtss_f32(m4);
+            for (; j < j1; j++) amax = fabsf(xr[j]) > amax ? fabsf(xr[j]) : amax;
             const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t j = j0; j < p1; j++) q[j] = j < k ? (int8_t) nearbyintf(xr[j] * id) : 0;
+            const __m256 id8 = _mm256_set1_ps(id);
+            for (j = j0; j + 8 <= j1; j += 8) {
+                const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), id8),
+                                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                _mm_storel_epi64((__m128i *) (q + j), _mm_packs_epi16(h, h));
+            }
+            for (; j < p1; j++) q[j] = j < k ? (int8_t) nearbyintf(xr[j] * id) : 0;
             if (bs == 32) for (int64_t l = j0 / 4; l < p1 / 4; l++) dx[l] = d;
             else dx[b] = d;
             for (int64_t l = j0 / 4; l < p1 / 4; l++) {
