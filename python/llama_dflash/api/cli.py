@@ -90,7 +90,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_float("temperature", 0.0), default=0.0,
-                   help="0 = greedy (token-identical to plain)")
+                   help="0 = greedy (token-identical to plain decoding in exact mode, the default; --default-mode "
+                        "may differ at numerical near-ties)")
     p.add_argument("--mode", choices=["match", "rejection"], default="match",
                    help="T > 0 verification: match (same seed => same text as plain) or rejection (higher acceptance)")
     p.add_argument("--top-k", type=_int(0), default=40)
