@@ -38,7 +38,8 @@ import numpy as np
 from llama_cpp import _logger
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
-from llama_dflash.api.models import cache_dir, default_target, pypi_target, shipped_drafter, smollm2_q4_1
+from llama_dflash.api.models import default_target, pypi_target, shipped_drafter, smollm2_q4_1
+from llama_dflash.cache import files_dir
 from llama_dflash.core import exact
 from llama_dflash.formats.config import DrafterConfig
 from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
@@ -50,7 +51,7 @@ SIZES = list(range(2, 17)) + [64]
 
 
 def quantized(t: str) -> Path:
-    dst = cache_dir() / f"SmolLM2-135M-Instruct.{t}.gguf"
+    dst = files_dir() / f"SmolLM2-135M-Instruct.{t}.gguf"
     if dst.is_file():
         return dst
     params = llama_cpp.llama_model_quantize_default_params()
@@ -159,7 +160,7 @@ def random_drafters(target: Path, name: str, dims: dict) -> dict[str, Path]:
     for kind, extra in (("random-v1", dict(block_size=16)),
                         ("random-v2", dict(block_size=16, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
                                            selector_top_k=4, n_vocab=n_vocab))):
-        p = cache_dir() / f"bench-exact-{name}-{kind}.gguf"
+        p = files_dir() / f"bench-exact-{name}-{kind}.gguf"
         if not p.is_file():
             cfg = DrafterConfig(**dims, **extra)
             tmp = p.with_suffix(".part")

@@ -177,11 +177,11 @@ def cpu_model() -> str:
 
 def gemma_drafter(target: Path) -> Path:
     """bench/bench_exact.py's random DFlash v1 drafter for Gemma-3-270M (written once per machine)."""
-    from llama_dflash.cache import cache_dir
+    from llama_dflash.cache import files_dir
     from llama_dflash.formats.config import DrafterConfig
     from llama_dflash.formats.gguf import random_drafter_tensors, write_drafter
 
-    p = cache_dir() / "bench-exact-gemma3-random-v1.gguf"
+    p = files_dir() / "bench-exact-gemma3-random-v1.gguf"
     if not p.is_file():
         cfg = DrafterConfig(n_layer=1, n_embd=640, n_ff=256, n_head=4, n_head_kv=2, head_dim=64,
                             target_layers=[1, 9, 15], mask_token_id=262143, rope_theta=10000.0, rms_eps=1e-6,
