@@ -284,6 +284,11 @@ def test_self_check_refuses_a_configuration_that_is_not_invariant(tmp_path, monk
         cached = json.loads((tmp_path / "exact-verdicts.json").read_text())
         assert cached[v.key]["max_rows"] == 1
         assert exact.self_check(ctx, model, path, 8, 2) == v  # the second time from the cache
+        # a verdict measured while the placement did not hold (an rpc server lost: garbage compared) is
+        # returned but never kept
+        (tmp_path / "exact-verdicts.json").unlink()
+        assert exact.self_check(ctx, model, path, 8, 2, healthy=lambda: False) == v
+        assert not (tmp_path / "exact-verdicts.json").exists()
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)

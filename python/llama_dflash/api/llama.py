@@ -375,7 +375,8 @@ class Llama(llama_cpp.Llama):
         self._core = EngineCore(model.model, pending["drafter_path"], n_ctx=n_ctx,
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
                                 exact=self.__dict__["_load"], model_path=self.model_path,
-                                placement=self._placement(), draft_n_max=self.__dict__["_options"].draft_n_max)
+                                placement=self._placement(), draft_n_max=self.__dict__["_options"].draft_n_max,
+                                healthy=self._placement_holds)
         if self._core.unavailable is not None and pending["drafter_path"] is not None:
             warnings.warn(f"llama-dflash: not speculating: {self._core.unavailable}", stacklevel=4)
         self._core.prepare_context(self.context_params)
@@ -386,6 +387,11 @@ class Llama(llama_cpp.Llama):
         where = f"n_gpu_layers={g}" if g else "cpu"
         cluster = self.__dict__.get("_cluster")
         return where if cluster is None else f"rpc={','.join(cluster.endpoints)};{where}"
+
+    def _placement_holds(self) -> bool:
+        """No rpc server lost (what was measured over them meanwhile is worth keeping)."""
+        cluster = self.__dict__.get("_cluster")
+        return cluster is None or cluster.lost() is None
 
     # -- rpc servers (core/rpc.py): a lost one ends the request; the next one loads the model again
 

@@ -191,12 +191,13 @@ class EngineCore(_native.Resource):
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: exact_mode.LoadSettings | None = None,
                  model_path: str | os.PathLike | None = None, placement: str = "cpu",
-                 draft_n_max: int | None = None) -> None:
+                 draft_n_max: int | None = None, healthy: Callable[[], bool] | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
         self._cost_key = ""
         self._cost_id = (model_path, drafter_path, placement)
+        self._healthy = healthy  # whether the placement still holds (rpc: no server lost): what is measured is kept
         # exact mode: the target was loaded with ``exact`` (exact.load_settings); attach() checks it
         exact = exact or exact_mode.LoadSettings(None, None)
         self._exact_wanted = exact.exact
@@ -255,7 +256,8 @@ class EngineCore(_native.Resource):
             rows = min(self.max_draft_len + 1, exact_mode.PROBE_ROWS)
             placement = self._cost_id[2]  # (a verdict holds for the kernels of its placement: rpc servers too)
             v = exact_mode.self_check_for(cparams, self._model, self._model_path, rows, self._n_threads,
-                                          self._exact_repacked, "" if placement == "cpu" else placement)
+                                          self._exact_repacked, "" if placement == "cpu" else placement,
+                                          self._healthy)
             if v.max_rows < 2 and self._exact_wanted == "auto":
                 self.exact_unavailable = v.describe()  # the default mode, with the reason in every stats
                 log.warning("llama-dflash: exact mode off for this target (%s): default mode", v.describe())

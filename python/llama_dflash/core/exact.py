@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import llama_cpp
@@ -373,10 +374,12 @@ def _cached(key: str) -> Verdict | None:
 
 
 def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
-               repacked: bool = False, placement: str = "") -> Verdict:
+               repacked: bool = False, placement: str = "", healthy: Callable[[], bool] | None = None) -> Verdict:
     """Probe batches of 2..n_rows rows on the target context ``ctx`` (``llama_context *``, before
     its first use: its memory is cleared afterwards), loaded with the weight layout ``repacked``;
-    cached when ``model_path`` is given (per ``placement`` too: offloaded layers, rpc servers)."""
+    cached when ``model_path`` is given (per ``placement`` too: offloaded layers, rpc servers) and
+    ``healthy`` (if given) still holds after the probes: a verdict measured while an rpc server was
+    lost compared garbage, and is returned for this load (which fails) but never kept."""
     n_batch = int(llama_cpp.llama_n_batch(ctx))
     if n_batch < PROBE_PREFIX:  # (llama_decode aborts the process on a batch above n_batch)
         raise DFlashError(f"exact mode needs n_batch >= {PROBE_PREFIX} for its self-check (got {n_batch})")
@@ -394,7 +397,7 @@ def self_check(ctx, model, model_path: str | os.PathLike | None, n_rows: int, n_
         rb = _rollback_probe(ctx, n_vocab, max_rows, n_rs_seq, np.random.default_rng(99))
         if rb != 0.0:
             v = Verdict(1, n_rows, rb, key, bool(repacked), PROBE_PREFIX, rollback=True)
-    if key:
+    if key and (healthy is None or healthy()):
         JsonStore("exact-verdicts.json").put(key, asdict(v))
     return v
 
@@ -403,7 +406,7 @@ PROBE_CTX = 512  # the probe context: holds the long probe and every verify batc
 
 
 def self_check_for(cparams, model, model_path: str | os.PathLike | None, n_rows: int, n_threads: int,
-                   repacked: bool = False, placement: str = "") -> Verdict:
+                   repacked: bool = False, placement: str = "", healthy: Callable[[], bool] | None = None) -> Verdict:
     """The self-check for a target context to be created with ``cparams`` (before it exists): run
     on a probe context of the same settings and PROBE_CTX positions, so that its verdict covers any
     context of these settings (the probe's prefixes are decoded alike both ways); a cached verdict
@@ -422,7 +425,7 @@ def self_check_for(cparams, model, model_path: str | os.PathLike | None, n_rows:
     ctx = _native.new_context(model, cp, "a context for exact mode's self-check")
     try:
         reference_kernels(ctx)  # (-1, unsupported: the self-check's long probe then fails)
-        return self_check(ctx, model, model_path, n_rows, n_threads, repacked, placement)
+        return self_check(ctx, model, model_path, n_rows, n_threads, repacked, placement, healthy)
     finally:
         reference_kernels(ctx, False)
         llama_cpp.llama_free(ctx)

@@ -127,7 +127,8 @@ class SpeculativeGenerator(_native.Resource):
         try:
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
-                                    exact=load, model_path=model_path, placement=self.placement)
+                                    exact=load, model_path=model_path, placement=self.placement,
+                                    healthy=(lambda: cluster.lost() is None) if cluster is not None else None)
         except BaseException:
             self.close()
             raise
