@@ -349,16 +349,75 @@ static bool is_view(enum ggml_op op) {
            op == GGML_OP_TRANSPOSE;
 }
 
+/* Whether t is, or views, one of the products in[0..n). */
+static bool made_by(const struct ggml_tensor * t, struct ggml_tensor * const * in, int n) {
+    for (; t; t = t->view_src)
+        for (int i = 0; i < n; i++)
+            if (t == in[i]) return true;
+    return false;
+}
+
+/* A run of quantized MUL_MATs none of which reads another's result (a layer's Q, K and V; its gate
+ * and up): each quantized by the calling thread, then one team computes every product's columns and
+ * meets once, instead of once per product.  Each column's dot is the one-product path's. */
+#define RUN_MAX 8
+static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const * ops, int m) {
+    size_t off[RUN_MAX], total = 0;
+    enum dfk_wtype t[RUN_MAX];
+    int nth = 1;
+    for (int j = 0; j < m; j++) {
+        const struct ggml_tensor * w = ops[j]->src[0];
+        if (!weight_type(w, &t[j])) return GGML_STATUS_FAILED;
+        off[j] = total;
+        total += (dfk_act_size(padded(w->ne[0]), (int) act_rows(ops[j]->src[1])) + 63) & ~(size_t) 63;
+        if (w->ne[1] * w->ne[0] >= 65536 && c->n_threads > nth) nth = c->n_threads;  /* (as mul_mat) */
+    }
+    if (!grow(&c->act, &c->act_size, total)) return GGML_STATUS_ALLOC_FAILED;
+    struct dfk_act a[RUN_MAX];
+    for (int j = 0; j < m; j++) {
+        const struct ggml_tensor * w = ops[j]->src[0], * x = ops[j]->src[1];
+        const int n = (int) act_rows(x);
+        a[j] = act_in((char *) c->act + off[j], w->ne[0], padded(w->ne[0]), n);
+        g_isa->quantize(t[j], (const float *) x->data, x->nb[1], &a[j], 0, n);
+        count(1, n);
+    }
+    #pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        for (int j = 0; j < m; j++) {
+            const struct ggml_tensor * w = ops[j]->src[0];
+            int64_t c0, c1;
+            if (w->ne[1] * w->ne[0] < 65536) {  /* too small to split: the first thread's */
+                c0 = 0;
+                c1 = omp_get_thread_num() == 0 ? w->ne[1] : 0;
+            } else {
+                col_range(w->ne[1], omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+            }
+            if (c1 > c0) g_isa->mul(t[j], w->data, w->nb[1], c0, c1, &a[j], (float *) ops[j]->data, ops[j]->nb[1]);
+        }
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
 static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     struct kctx * c = (struct kctx *) b->context;
-    for (int i = 0; i < ggml_graph_n_nodes(g); i++) {
+    struct ggml_tensor * run[RUN_MAX];
+    int m = 0;
+    enum ggml_status st = GGML_STATUS_SUCCESS;
+    for (int i = 0; i < ggml_graph_n_nodes(g) && st == GGML_STATUS_SUCCESS; i++) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (is_view(node->op)) continue;
         if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return GGML_STATUS_FAILED;
-        enum ggml_status st = node->op == GGML_OP_MUL_MAT ? mul_mat(c, node) : mul_mat_id(c, node);
-        if (st != GGML_STATUS_SUCCESS) return st;
+        const bool runs = node->op == GGML_OP_MUL_MAT && !is_router(node->src[0]);
+        if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], run, m))) {  /* the run so far first */
+            st = mul_mat_run(c, run, m);
+            m = 0;
+        }
+        if (st != GGML_STATUS_SUCCESS) break;
+        if (runs) run[m++] = node;
+        else st = node->op == GGML_OP_MUL_MAT ? mul_mat(c, node) : mul_mat_id(c, node);
     }
-    return GGML_STATUS_SUCCESS;
+    if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, run, m);
+    return st;
 }
 
 static void set_n_threads(ggml_backend_t b, int n) { ((struct kctx *) b->context)->n_threads = n; }
