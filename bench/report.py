@@ -1072,6 +1072,15 @@ def kernels() -> list[str]:
                 _source(c["command"], c["date"], "kernels_curve.json",
                         f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
                         f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
+    if (HERE / "kernels_curve_avx2.json").is_file():  # AVX2 code on both sides, as an AVX2-only CPU runs it
+        c = _load("kernels_curve_avx2.json")
+        out += ["### The verify curve with AVX2 code only", "",
+                "As an AVX2-only CPU (AMD EPYC Zen 2) runs it, measured on this machine: llama-cpp-python "
+                "built without AVX512 / AVX-VNNI and our kernels held to AVX2 (the virtualenv of "
+                "`scripts/avx2-suite.sh`, `LLAMA_DFLASH_KERNELS_ISA=avx2`); an AMD CPU's own timings differ.", "",
+                _source(c["command"], c["date"], "kernels_curve_avx2.json",
+                        f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
+                        f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
     if (HERE / "kernels_e2e.json").is_file():  # end to end measured again after later changes
         e = _load("kernels_e2e.json")
         out += ["### End to end, measured again", "",
