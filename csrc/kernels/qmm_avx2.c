@@ -244,6 +244,11 @@ INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)
 FDOT_SWITCH(q6_K)
 DFK_FMUL(q6_K, 4)
 
+/* activation rows a repacked kernel takes in one pass over a group's blocks: the blocks' decoding is
+ * shared by them (16 registers do not hold 8 rows' accumulators: those go through L1, each row's
+ * arithmetic unchanged) */
+#define X8_ROWS 8
+
 /* Q4_0 repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
  * (rows 0..3 and 4..7 of each 64-byte piece vector).  Per (activation row, weight row) in a fixed
  * order: a block's four piece dots summed as int16 pairs (at most 4 * 2 * 15 * 127), into an int32
@@ -251,7 +256,7 @@ DFK_FMUL(q6_K, 4)
  * and the activation block's scale into a float lane pair; the pair summed at the end. */
 static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_act * a, int r0, int n, float * y,
                               size_t y_stride) {
-    __m256 acc[4][2];
+    __m256 acc[X8_ROWS][2];
     for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int64_t kp = a->kp;
     const __m256i m4 = _mm256_set1_epi8(15), x88 = _mm256_set1_epi8((char) 0x88), ones = _mm256_set1_epi16(1);
@@ -302,7 +307,7 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
  * apart; the lane pairs and that sum added at the end. */
 static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_act * a, int r0, int n, float * y,
                               size_t y_stride) {
-    __m256 acc[4][2], accm[4];
+    __m256 acc[X8_ROWS][2], accm[X8_ROWS];
     for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = accm[r] = _mm256_setzero_ps();
     const int64_t kp = a->kp;
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -329,7 +334,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
         for (int t = 0; t < 4; t++)
             mpair[t] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128((long long) m8[2 * t]),
                                                               _mm_cvtsi64_si128((long long) m8[2 * t + 1])));
-        __m256i is[4][2];
+        __m256i is[X8_ROWS][2];
         for (int r = 0; r < n; r++) is[r][0] = is[r][1] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const uint8_t * q = p + 128 + 256 * c;  /* pieces 4c .. 4c + 3, 64 bytes each */
@@ -366,15 +371,15 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
     }
 }
 
-/* a repacked type's kernel over groups [c0, c1) (multiples of 8: run() splits columns so), 4
+/* a repacked type's kernel over groups [c0, c1) (multiples of 8: run() splits columns so), X8_ROWS
  * activation rows at a time through x8dot_T over the row's BV-value blocks */
 #define X8_FMUL(T, BV)                                                                                 \
     static void fmul_##T##x8_rows(const void * w, size_t w_row, int64_t c0, int64_t c1,                \
                                   const struct dfk_act * a, float * y, size_t y_stride) {              \
         for (int64_t c = c0; c < c1; c += 8)                                                           \
-            for (int r0 = 0; r0 < a->n; r0 += 4)                                                       \
+            for (int r0 = 0; r0 < a->n; r0 += X8_ROWS)                                                 \
                 x8dot_##T((const uint8_t *) w + (size_t) c * w_row, a->k / BV, a, r0,                  \
-                          a->n - r0 >= 4 ? 4 : a->n - r0, y + c, y_stride);                            \
+                          a->n - r0 >= X8_ROWS ? X8_ROWS : a->n - r0, y + c, y_stride);                \
     }
 
 X8_FMUL(q4_0, 32)
