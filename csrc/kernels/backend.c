@@ -42,6 +42,9 @@ static atomic_bool g_enabled = true;
 static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id;
 static char g_status[160] = "not registered";
 
+/* a product of fewer weight values stays on one thread: too small to be worth waking another */
+#define DFK_SPLIT_MIN 65536
+
 struct kctx {
     int n_threads;
     void * act;
@@ -128,8 +131,12 @@ static bool takes_id(const struct ggml_tensor * op, const struct ggml_tensor * w
  * targets: 2.9e-06, the same targets with a Q8_0 router: bit-identical).  Only the router is taken:
  * it is a few dozen rows, where a plain dot is as fast as ggml's; the f32 matrices of the tests'
  * dense targets stay with ggml (and exact mode keeps refusing them). */
+static bool router_named(enum ggml_type type, const char * name) {
+    return type == GGML_TYPE_F32 && strstr(name, "ffn_gate_inp") != NULL;
+}
+
 static bool is_router(const struct ggml_tensor * w) {
-    return w->type == GGML_TYPE_F32 && strstr(w->name, "ffn_gate_inp") != NULL && w->buffer &&
+    return router_named(w->type, w->name) && w->buffer &&
            ggml_backend_buffer_get_size(w->buffer) != 0 && !w->view_src &&
            ggml_backend_buft_is_host(ggml_backend_buffer_get_type(w->buffer));
 }
@@ -237,24 +244,12 @@ static void mul_f32(const float * w, size_t w_row, int64_t k, int64_t ncol, cons
     }
 }
 
-static enum ggml_status mul_mat(struct kctx * c, struct ggml_tensor * op) {
+/* a MoE router's f32 product (is_router); the quantized products go through mul_mat_run */
+static enum ggml_status mul_router(struct ggml_tensor * op) {
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
-    if (is_router(w)) {
-        mul_f32((const float *) w->data, w->nb[1], w->ne[0], w->ne[1], (const float *) x->data, x->nb[1],
-                (int) act_rows(x), (float *) op->data, op->nb[1]);
-        count(1, act_rows(x));
-        return GGML_STATUS_SUCCESS;
-    }
-    enum dfk_wtype t;
-    if (!weight_type(w, &t)) return GGML_STATUS_FAILED;
-    const int n = (int) act_rows(x);
-    const int64_t k = w->ne[0], ncol = w->ne[1];
-    int nth = c->n_threads > 0 ? c->n_threads : 1;
-    if (ncol * k < 65536) nth = 1;  /* too small to be worth waking a thread */
-    if (!grow(&c->act, &c->act_size, dfk_act_size(padded(k), n))) return GGML_STATUS_ALLOC_FAILED;
-    run(g_isa, t, w->data, w->nb[1], k, ncol, (const float *) x->data, x->nb[1], n, (float *) op->data, op->nb[1],
-        nth, c->act);
-    count(1, n);
+    mul_f32((const float *) w->data, w->nb[1], w->ne[0], w->ne[1], (const float *) x->data, x->nb[1],
+            (int) act_rows(x), (float *) op->data, op->nb[1]);
+    count(1, act_rows(x));
     return GGML_STATUS_SUCCESS;
 }
 
@@ -306,7 +301,7 @@ static enum ggml_status mul_mat_id(struct kctx * c, struct ggml_tensor * op) {
         memcpy(g.xbs + (size_t) r * (kp / 32), src.xbs + (size_t) s * (kp / 32), sizeof(int16_t) * (size_t) (kp / 32));
     }
     int nth = c->n_threads > 0 ? c->n_threads : 1;
-    if (ncol * k * n_active < 65536) nth = 1;
+    if (ncol * k * n_active < DFK_SPLIT_MIN) nth = 1;
     float * y = (float *) c->y;
     /* one team for every expert: each thread its columns of each, scattered by the thread itself */
     #pragma omp parallel num_threads(nth) if (nth > 1)
@@ -370,7 +365,7 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
         if (!weight_type(w, &t[j])) return GGML_STATUS_FAILED;
         off[j] = total;
         total += (dfk_act_size(padded(w->ne[0]), (int) act_rows(ops[j]->src[1])) + 63) & ~(size_t) 63;
-        if (w->ne[1] * w->ne[0] >= 65536 && c->n_threads > nth) nth = c->n_threads;  /* (as mul_mat) */
+        if (w->ne[1] * w->ne[0] >= DFK_SPLIT_MIN && c->n_threads > nth) nth = c->n_threads;
     }
     if (!grow(&c->act, &c->act_size, total)) return GGML_STATUS_ALLOC_FAILED;
     struct dfk_act a[RUN_MAX];
@@ -386,7 +381,7 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
         for (int j = 0; j < m; j++) {
             const struct ggml_tensor * w = ops[j]->src[0];
             int64_t c0, c1;
-            if (w->ne[1] * w->ne[0] < 65536) {  /* too small to split: the first thread's */
+            if (w->ne[1] * w->ne[0] < DFK_SPLIT_MIN) {  /* too small to split: the first thread's */
                 c0 = 0;
                 c1 = omp_get_thread_num() == 0 ? w->ne[1] : 0;
             } else {
@@ -400,7 +395,7 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
 
 static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     struct kctx * c = (struct kctx *) b->context;
-    struct ggml_tensor * run[RUN_MAX];
+    struct ggml_tensor * pending[RUN_MAX];  /* the run so far */
     int m = 0;
     enum ggml_status st = GGML_STATUS_SUCCESS;
     for (int i = 0; i < ggml_graph_n_nodes(g) && st == GGML_STATUS_SUCCESS; i++) {
@@ -408,15 +403,15 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         if (is_view(node->op)) continue;
         if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return GGML_STATUS_FAILED;
         const bool runs = node->op == GGML_OP_MUL_MAT && !is_router(node->src[0]);
-        if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], run, m))) {  /* the run so far first */
-            st = mul_mat_run(c, run, m);
+        if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], pending, m))) {  /* the run so far first */
+            st = mul_mat_run(c, pending, m);
             m = 0;
         }
         if (st != GGML_STATUS_SUCCESS) break;
-        if (runs) run[m++] = node;
-        else st = node->op == GGML_OP_MUL_MAT ? mul_mat(c, node) : mul_mat_id(c, node);
+        if (runs) pending[m++] = node;
+        else st = node->op == GGML_OP_MUL_MAT ? mul_router(node) : mul_mat_id(c, node);
     }
-    if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, run, m);
+    if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, pending, m);
     return st;
 }
 
@@ -545,8 +540,7 @@ int32_t dflash_kernels_take_file(const char * path) {
     for (struct ggml_tensor * t = meta ? ggml_get_first_tensor(meta) : NULL; t; t = ggml_get_next_tensor(meta, t)) {
         if (ggml_n_dims(t) < 2) continue;
         n++;
-        const bool router = t->type == GGML_TYPE_F32 && strstr(t->name, "ffn_gate_inp") != NULL;
-        taken += router || dflash_kernels_take_type(t->type);
+        taken += router_named(t->type, t->name) || dflash_kernels_take_type(t->type);
     }
     gguf_free(g);
     if (meta) ggml_free(meta);
