@@ -41,7 +41,6 @@ from llama_cpp import _logger
 from llama_dflash import SpeculativeGenerator
 from llama_dflash.api.models import default_target, pypi_target, shipped_drafter
 from llama_dflash.core import kernels
-from llama_dflash.formats.config import DrafterConfig
 from llama_dflash.verify.oracle import ReplayDraftSource
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +51,7 @@ from bench_hybrid import decode  # noqa: E402
 from bench_kernels import cpu_model  # noqa: E402
 
 from families import FAMILIES, SCHEMAS, family_drafter_config, published_drafter, write_any  # noqa: E402
-from models import cached_random_drafter, write_random_drafter  # noqa: E402
+from models import write_random_drafter  # noqa: E402
 
 KS = [1, 2, 4, 8]
 PROMPTS = ["Once upon a time, there was", "def fibonacci(n):\n", "The three primary colours are",
@@ -140,15 +139,11 @@ def real_rows(rounds: int, threads: int) -> list[dict]:
     out = []
     for name, prompts, n_tok, n_ctx in (("gemma-3-270m", PROMPTS[:1], 1100, 2048),
                                         ("qwen2.5-coder-1.5b", PROMPTS[1:], 256, 1024)):
-        target = pypi_target(name)
-        from test_real_targets import _sizes  # the vocab-only read of hidden size, layers, vocabulary
+        from test_real_targets import random_drafter_for  # the drafter tests/test_real_targets.py uses
 
-        n_embd, n_layer, n_vocab = _sizes(target)
-        cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
-                            target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
-                            rope_theta=10000.0, rms_eps=1e-6)
-        drafter = cached_random_drafter(name, cfg, target)  # the one tests/test_real_targets.py uses
-        out.append(row(name, str(target), str(drafter), prompts, n_tok, 3, n_ctx, rounds, threads, ("–", "–")))
+        target = pypi_target(name)
+        drafter = random_drafter_for(name, target)
+        out.append(row(name, str(target), drafter, prompts, n_tok, 3, n_ctx, rounds, threads, ("–", "–")))
     out.append(row("smollm2-135m (shipped)", str(default_target()), str(shipped_drafter()), PROMPTS[:2], 128, 7,
                    1024, rounds, threads, ("–", "–")))
     return out

@@ -44,15 +44,20 @@ def _sizes(path) -> tuple[int, int, int]:
         llama_cpp.llama_model_free(m)
 
 
-@pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-1.5b"])
-def real(request, tmp_path_factory):
-    target = real_target(request.param)
+def random_drafter_for(name: str, target) -> str:
+    """A random-weight drafter shaped for the real target ``name`` at ``target``, written once per
+    machine (bench/bench_catalogue.py uses the same)."""
     n_embd, n_layer, n_vocab = _sizes(target)
     cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
                         target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
                         rope_theta=10000.0, rms_eps=1e-6)
-    drafter = cached_random_drafter(request.param, cfg, target)
-    return request.param, str(target), str(drafter)
+    return str(cached_random_drafter(name, cfg, target))
+
+
+@pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-1.5b"])
+def real(request, tmp_path_factory):
+    target = real_target(request.param)
+    return request.param, str(target), random_drafter_for(request.param, target)
 
 
 def _tokens(llm, prompt: str, steps=None) -> list[int]:
@@ -119,11 +124,7 @@ def test_exact_mode_holds_over_long_runs(name, n_prompt, n_gen, draft_len):
     from llama_dflash.verify.oracle import ReplayDraftSource
 
     target = str(real_target(name))
-    n_embd, n_layer, n_vocab = _sizes(target)
-    cfg = DrafterConfig(n_layer=1, n_embd=n_embd, n_ff=256, n_head=4, n_head_kv=2, head_dim=64, block_size=4,
-                        target_layers=[1, n_layer // 2, n_layer - 3], mask_token_id=n_vocab - 1,
-                        rope_theta=10000.0, rms_eps=1e-6)
-    drafter = str(cached_random_drafter(name, cfg, target))  # (the module fixture's)
+    drafter = random_drafter_for(name, target)  # (the module fixture's)
     with SpeculativeGenerator(target, drafter, n_ctx=n_prompt + n_gen + 16, exact=True) as g:
         assert g.capture_mode == "cb_eval" and g.exact_verdict.max_rows >= draft_len + 1
         toks = (g.tokenize(STORY * 40) if n_prompt > 100 else g.tokenize(PROMPTS[0]))[:n_prompt]
