@@ -148,19 +148,24 @@ def test_prefix_reuse_on_a_hybrid_target(hybrid):
             assert got.tokens == g.generate(p, 40, draft_len=0).tokens
 
 
-def test_exact_mode_refuses_a_hybrid_target_that_is_not_invariant(hybrid, caplog):
-    """The f32 target: its matrix products round apart for 1 and 2 rows, so neither the batches nor
-    the rollbacks are exact: exact=True refuses it, "auto" speculates in the default mode and says
-    why."""
-    a = hybrid["f32"]
-    with pytest.raises(DFlashError, match="self-check failed"):
+def _refused_then_default_mode(a: dict, caplog, refusal: str, logged: str, n_tokens: int):
+    """exact=True refuses the pair with ``refusal``; exact="auto" loads it in the default mode, logs
+    ``logged`` and speculates: that generation's stats."""
+    with pytest.raises(DFlashError, match=refusal):
         SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, n_threads=2, exact=True)
     with caplog.at_level(logging.WARNING, logger="llama_dflash"):
         g = SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, n_threads=2, exact="auto")
     with g:
-        assert any("exact mode off" in m for m in _our_lines(caplog))
-        st = g.generate(g.tokenize(PROMPT), 30, draft_len=4, speculation="on").stats
-        assert st.exact.startswith("not exact: self-check failed") and st.drafted > 0
+        assert any(logged in m for m in _our_lines(caplog))
+        return g.generate(g.tokenize(PROMPT), n_tokens, draft_len=4, speculation="on").stats
+
+
+def test_exact_mode_refuses_a_hybrid_target_that_is_not_invariant(hybrid, caplog):
+    """The f32 target: its matrix products round apart for 1 and 2 rows, so neither the batches nor
+    the rollbacks are exact: exact=True refuses it, "auto" speculates in the default mode and says
+    why."""
+    st = _refused_then_default_mode(hybrid["f32"], caplog, "self-check failed", "exact mode off", 30)
+    assert st.exact.startswith("not exact: self-check failed") and st.drafted > 0
 
 
 def test_rollback_probe_tells_exact_from_inexact_restores(hybrid, monkeypatch, caplog):
@@ -183,13 +188,9 @@ def test_rollback_probe_tells_exact_from_inexact_restores(hybrid, monkeypatch, c
     monkeypatch.setattr(exact, "_rollback_probe", lambda *args: 3e-4)
     monkeypatch.setattr(exact, "_cached", lambda key: None)
     monkeypatch.setattr(exact.JsonStore, "put", lambda *args: None)
-    with pytest.raises(DFlashError, match="after rolling back rejected rows the next logits differ"):
-        SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, n_threads=2, exact=True)
-    with caplog.at_level(logging.WARNING, logger="llama_dflash"):
-        g = SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256, n_threads=2, exact="auto")
-    with g:
-        assert any("after rolling back" in m for m in _our_lines(caplog))
-        assert g.generate(g.tokenize(PROMPT), 20, draft_len=4, speculation="on").stats.drafted > 0
+    st = _refused_then_default_mode(a, caplog, "after rolling back rejected rows the next logits differ",
+                                    "after rolling back", 20)
+    assert st.drafted > 0
 
 
 def test_capture_on_the_hybrid_graph(hybrid):
