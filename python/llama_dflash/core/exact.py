@@ -88,25 +88,30 @@ class Verdict:
                 "(this model's kernels are not batch-invariant here)")
 
 
+def _decode_rows(ctx, items: list[tuple[int, int, int]], n_vocab: int) -> np.ndarray:
+    """One llama_decode of (sequence, token, position) rows; every row's logits."""
+    b = llama_cpp.llama_batch_init(len(items), 0, 1)
+    try:
+        b.n_tokens = len(items)
+        for i, (seq, t, pos) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos, 1, 1
+            b.seq_id[i][0] = seq
+        if llama_cpp.llama_decode(ctx, b) != 0:
+            raise DFlashError("exact-mode self-check: llama_decode failed on a probe batch")
+        return np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).copy()
+                         for i in range(len(items))])
+    finally:
+        llama_cpp.llama_batch_free(b)
+
+
 def _decode(ctx, toks: list[int], pos0: int, n_vocab: int, one_by_one: bool) -> np.ndarray:
-    rows = []
+    """Sequence 0's tokens from pos0, in one batch or one by one: every row's logits."""
     groups = [[t] for t in toks] if one_by_one else [toks]
-    pos = pos0
+    rows, pos = [], pos0
     for g in groups:
-        b = llama_cpp.llama_batch_init(len(g), 0, 1)
-        try:
-            b.n_tokens = len(g)
-            for i, t in enumerate(g):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos + i, 1, 1
-                b.seq_id[i][0] = 0
-            if llama_cpp.llama_decode(ctx, b) != 0:
-                raise DFlashError("exact-mode self-check: llama_decode failed on the probe")
-            for i in range(len(g)):
-                rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).copy())
-        finally:
-            llama_cpp.llama_batch_free(b)
+        rows.append(_decode_rows(ctx, [(0, t, pos + i) for i, t in enumerate(g)], n_vocab))
         pos += len(g)
-    return np.stack(rows)
+    return np.concatenate(rows)
 
 
 def _probe(ctx, n_vocab: int, k: int, rng: np.random.Generator, n_prefix: int = PROBE_PREFIX) -> float:
@@ -203,22 +208,6 @@ def _max_rows(ctx, model, n_rows: int) -> tuple[int, float, int]:
             if diff != 0.0:
                 return k - 1, diff, PROBE_LONG
     return max_rows, 0.0, PROBE_PREFIX
-
-
-def _decode_rows(ctx, items: list[tuple[int, int, int]], n_vocab: int) -> np.ndarray:
-    """One llama_decode of (sequence, token, position) rows; every row's logits."""
-    b = llama_cpp.llama_batch_init(len(items), 0, 1)
-    try:
-        b.n_tokens = len(items)
-        for i, (seq, t, pos) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos, 1, 1
-            b.seq_id[i][0] = seq
-        if llama_cpp.llama_decode(ctx, b) != 0:
-            raise DFlashError("exact-mode self-check: llama_decode failed on a joint probe")
-        return np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).copy()
-                         for i in range(len(items))])
-    finally:
-        llama_cpp.llama_batch_free(b)
 
 
 def _joint_probe(gctx, ctx, n_vocab: int, n_seq: int, rows: int, rng: np.random.Generator, long: bool) -> float:
