@@ -77,6 +77,8 @@ class Target:
             cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
             cp.n_threads = cp.n_threads_batch = n_threads
             self.ctx[mode] = llama_cpp.llama_init_from_model(self.model, cp)
+            if mode == "dflash":  # (as every context the package drives: its attention too)
+                _native.attention_kernels(self.ctx[mode])
         kernels.set_enabled(True)
         self.batch = llama_cpp.llama_batch_init(512, 0, 1)
         # weight bytes and multiply-adds of one row: every matrix product's weights

@@ -269,10 +269,15 @@ int32_t dflash_capture_row_width(const dflash_capture * c);
  * without its split-KV and tiled variants, no fused ops.  The optimized one-token flash attention
  * splits the KV across threads once the context's KV view spans 512 cells (past 256 positions)
  * and rounds differently from the same row in a verify batch; in reference mode a one-token
- * decode and a verify batch take the same kernels at every length.  Exact mode sets it before its
- * self-check.  Returns the number of CPU backends set (0: none, e.g. every layer offloaded), or
- * -1 when libllama does not export what it needs (llama_context::get_sched). */
+ * decode and a verify batch take the same kernels at every length.  The context's small-batch
+ * kernels (if registered) take its products and attention at every row count.  Exact mode sets it
+ * before its self-check.  Returns the number of CPU backends set (0: none, e.g. every layer
+ * offloaded), or -1 when libllama does not export what it needs (llama_context::get_sched). */
 int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
+/* The context's small-batch kernels take its attention of 1..16 query rows too (on), from its next
+ * graph split; a context llama-dflash did not set keeps ggml's.  Returns the number of kernel
+ * backends set (0: the kernels are off), -1 as above. */
+int32_t dflash_context_kernels_attention(struct llama_context * ctx, bool on);
 
 /* ---- small-batch kernels (csrc/kernels, docs/architecture.md §13) ------- */
 
@@ -304,6 +309,8 @@ struct dflash_kernel_stats {
     int64_t rows;              /* activation rows in them */
     int64_t by_rows[17];       /* products by activation rows (1..16; [16]: 16 and more) */
     int64_t products_id;       /* of the products, MUL_MAT_IDs (a MoE layer's experts; rows: its tokens) */
+    int64_t attention;         /* attentions (FLASH_ATTN_EXT) computed */
+    int64_t attention_rows;    /* query rows in them (tokens) */
 };
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard
@@ -318,6 +325,19 @@ int32_t dflash_kernels_mul(const char * isa, int32_t type, const void * w, int64
  * and G int8 multiply-adds per second with the kernels' dot instruction of `isa` (as above).
  * bench/bench_kernels.py prints it beside the kernels' times.  -1: no such instruction set here. */
 int32_t dflash_kernels_roofline(const char * isa, int32_t n_threads, int64_t bytes, double * gbps, double * gmacs);
+/* Attention as the kernels compute ggml's FLASH_ATTN_EXT for one sequence: q [n_q][n_head][d] (f32),
+ * k and v [n_kv][n_head_kv][d] (f16 bits), mask [n_q][n_kv] (f16 bits, -inf hides a cell; NULL: all
+ * visible), sinks [n_head] (f32 or NULL), out [n_q][n_head][d]; scores softcap * tanh(scale * q.k / softcap)
+ * where softcap != 0.  tile: query vectors per work item (1..16; 0: the backend's choice), which
+ * must not change the result.  -1: a shape the kernels do not take, -2: an instruction set this CPU
+ * lacks.  dflash_kernels_attn_ggml: the same by ggml-cpu's FLASH_ATTN_EXT (-1: failed). */
+int32_t dflash_kernels_attn(const char * isa, const float * q, const uint16_t * k, const uint16_t * v,
+                            const uint16_t * mask, const float * sinks, float * out, int64_t d, int64_t n_q,
+                            int64_t n_head, int64_t n_kv, int64_t n_head_kv, float scale, float softcap,
+                            int32_t tile, int32_t n_threads);
+int32_t dflash_kernels_attn_ggml(const float * q, const uint16_t * k, const uint16_t * v, const uint16_t * mask,
+                                 const float * sinks, float * out, int64_t d, int64_t n_q, int64_t n_head,
+                                 int64_t n_kv, int64_t n_head_kv, float scale, float softcap, int32_t n_threads);
 /* The same product computed by ggml-cpu: the reference of the tests.  -1: failed. */
 int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t ncol, const float * x, int32_t n,
                                 float * y, int32_t n_threads);

@@ -98,10 +98,20 @@ int32_t dflash_context_reference_kernels(llama_context * ctx, bool on) {
             ggml_backend_cpu_set_use_ref(b, on);
             n++;
         }
+        // and every product and attention to the small-batch kernels, prefill included: a prompt's
+        // rows then round as one-token decodes of them do (a re-evaluated last prompt token, a reused prefix)
+        dflash_kernels_backend_set(b, -1, on);
     }
-    // and every product of its weights to the small-batch kernels, prefill included: a prompt's rows
-    // then round as one-token decodes of them do (a re-evaluated last prompt token, a reused prefix)
-    dflash_kernels_all_rows(llama_get_model(ctx), on);
+    return n;
+}
+
+int32_t dflash_context_kernels_attention(llama_context * ctx, bool on) {
+    const dflash_llama_ext * ext = dflash_llama_ext_get();
+    ggml_backend_sched_t sched = ext->get_sched ? ext->get_sched(ctx) : nullptr;
+    if (!sched) return -1;
+    int32_t n = 0;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++)
+        n += dflash_kernels_backend_set(ggml_backend_sched_get_backend(sched, i), on, -1);
     return n;
 }
 

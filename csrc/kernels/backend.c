@@ -1,14 +1,18 @@
 /*
- * A ggml backend of our own for the target's small matrix products (docs/architecture.md §13).
+ * A ggml backend of our own for the target's small matrix products and their attention
+ * (docs/architecture.md §13).
  *
  * Registered through ggml's public registry as an ACCEL device, it sits ahead of the CPU backend in
  * every llama_context created afterwards.  Its buffer type is the CPU's own, so llama.cpp places no
  * weight differently (make_cpu_buft_list skips it) and prefill runs exactly as before; the scheduler
  * hands it a MUL_MAT, or a MUL_MAT_ID (a MoE layer's experts), whose weight lives in a host buffer in
  * ggml's standard layout (or ggml-cpu's repacked one), of a type qmm.h decodes, with 1..DFK_MAX_ROWS
- * activation rows (tokens, for MUL_MAT_ID).  Everything else stays with ggml-cpu.
+ * activation rows (tokens, for MUL_MAT_ID), and a FLASH_ATTN_EXT of f16 K/V with as many query rows
+ * (attn.h).  Everything else stays with ggml-cpu.  A backend switched to every row count
+ * (dflash_kernels_backend_all_rows: exact mode's contexts) takes those ops whatever their rows.
  * Threads are OpenMP's, the same pool ggml-cpu uses, so nothing spins beside it.
  */
+#include "attn.h"
 #include "dflash.h"
 #include "ggml_abi.h"
 #include "kernels.h"
@@ -33,13 +37,8 @@
 #endif
 
 static const struct dfk_isa * g_isa;
-/* weight buffers whose products the kernels take at every row count (dflash_kernels_all_rows) */
-#define DFK_MAX_ALL_ROWS 64
-static ggml_backend_buffer_t g_all_rows[DFK_MAX_ALL_ROWS];
-static int g_n_all_rows;
-static pthread_mutex_t g_all_rows_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool g_enabled = true;
-static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id;
+static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id, g_attn, g_attn_rows;
 static char g_status[160] = "not registered";
 
 /* a product of fewer weight values stays on one thread: too small to be worth waking another */
@@ -53,6 +52,9 @@ struct kctx {
      * and the rows' order by expert */
     void * src, * y, * idx;
     size_t src_size, y_size, idx_size;
+    float * attn;  /* attention: every thread's scratch */
+    size_t attn_size;
+    bool takes_attn, all_rows;  /* which device it answers as (set_device) */
 };
 
 static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
@@ -89,36 +91,15 @@ static bool weight_type(const struct ggml_tensor * w, enum dfk_wtype * t) {
     return false;
 }
 
-static bool all_rows(ggml_backend_buffer_t b) {
-    pthread_mutex_lock(&g_all_rows_lock);
-    bool found = false;
-    for (int i = 0; i < g_n_all_rows && !found; i++) found = g_all_rows[i] == b;
-    pthread_mutex_unlock(&g_all_rows_lock);
-    return found;
-}
-
-void dflash_kernels_all_rows(const struct llama_model * model, bool on) {
-    ggml_backend_buffer_t bufs[16];
-    const int32_t n = dflash_model_weight_buffers(model, bufs, 16);
-    pthread_mutex_lock(&g_all_rows_lock);
-    for (int32_t j = 0; j < n; j++) {
-        int i = 0;
-        while (i < g_n_all_rows && g_all_rows[i] != bufs[j]) i++;
-        if (on && i == g_n_all_rows && g_n_all_rows < DFK_MAX_ALL_ROWS) g_all_rows[g_n_all_rows++] = bufs[j];
-        if (!on && i < g_n_all_rows) g_all_rows[i] = g_all_rows[--g_n_all_rows];
-    }
-    pthread_mutex_unlock(&g_all_rows_lock);
-}
-
 /* MUL_MAT_ID (ggml_mul_mat_id): w [k, ncol, n_expert], x [k, ne11, n_tok], ids I32 [n_used, n_tok],
  * dst [ncol, n_used, n_tok] with dst[:, e, t] = W_ids[e,t] . x[:, e % ne11, t].  Rows of x, ids and
  * dst are read through their strides; the experts' matrices must follow each other (repacked ones
  * do: ggml-cpu repacks a 3D tensor's rows in groups of 8, and every expert has a multiple of 8). */
-static bool takes_id(const struct ggml_tensor * op, const struct ggml_tensor * w) {
+static bool takes_id(const struct ggml_tensor * op, const struct ggml_tensor * w, bool all) {
     const struct ggml_tensor * x = op->src[1], * ids = op->src[2];
     if (!ids || ids->type != GGML_TYPE_I32 || w->ne[3] != 1 || w->nb[2] != w->nb[1] * w->ne[1]) return false;
     const int64_t n_tok = x->ne[2];
-    if (n_tok < 1 || (n_tok > DFK_MAX_ROWS && !all_rows(w->buffer))) return false;
+    if (n_tok < 1 || (n_tok > DFK_MAX_ROWS && !all)) return false;
     if (x->ne[3] != 1 || x->ne[1] < 1 || ids->ne[1] != n_tok || ids->ne[0] % x->ne[1] != 0 || ids->ne[2] != 1 ||
         ids->ne[3] != 1) return false;
     return op->ne[0] == w->ne[1] && op->ne[1] == ids->ne[0] && op->ne[2] == n_tok && op->ne[3] == 1 &&
@@ -141,9 +122,31 @@ static bool is_router(const struct ggml_tensor * w) {
            ggml_backend_buft_is_host(ggml_backend_buffer_get_type(w->buffer));
 }
 
-/* The products this backend takes; the scheduler asks with the weight's buffer set. */
-static bool takes(const struct ggml_tensor * op) {
+/* The attention this backend takes (attn.h): f32 queries, f16 K and V of one head size, an f16 mask,
+ * f32 sinks, no ALiBi; rows as for the products. */
+static bool takes_attn(const struct ggml_tensor * op, bool all) {
+    const struct ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * m = op->src[3], * sk = op->src[4];
+    float max_bias;
+    memcpy(&max_bias, (const float *) op->op_params + 1, sizeof(float));
+    if (q->type != GGML_TYPE_F32 || k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || op->type != GGML_TYPE_F32)
+        return false;
+    if (max_bias != 0.0f || q->nb[0] != sizeof(float) || k->nb[0] != 2 || v->nb[0] != 2 || !ggml_is_contiguous(op))
+        return false;
+    const int64_t d = q->ne[0];
+    if (d % 16 != 0 || d > 512 || k->ne[0] != d || v->ne[0] != d || op->ne[0] != d) return false;
+    if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[1] < 1) return false;
+    if (k->ne[2] < 1 || q->ne[2] % k->ne[2] != 0 || k->ne[3] < 1 || q->ne[3] % k->ne[3] != 0) return false;
+    if (op->ne[1] != q->ne[2] || op->ne[2] != q->ne[1] || op->ne[3] != q->ne[3]) return false;
+    if (m && (m->type != GGML_TYPE_F16 || m->nb[0] != 2 || m->ne[0] != k->ne[1] || m->ne[1] < q->ne[1])) return false;
+    if (sk && (sk->type != GGML_TYPE_F32 || sk->ne[0] != q->ne[2] || !ggml_is_contiguous(sk))) return false;
+    const int64_t n = q->ne[1] * q->ne[3];
+    return n >= 1 && (n <= DFK_MAX_ROWS || all);
+}
+
+/* The ops this backend takes; the scheduler asks with the weight's buffer set.  all: at any row count. */
+static bool takes(const struct ggml_tensor * op, bool all) {
     if (!g_isa || !atomic_load(&g_enabled)) return false;
+    if (op->op == GGML_OP_FLASH_ATTN_EXT) return takes_attn(op, all);
     if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) return false;
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
     if (x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
@@ -156,11 +159,11 @@ static bool takes(const struct ggml_tensor * op) {
         if (!weight_type(w, &t)) return false;
         if (w->ne[0] % dfk_block_values(t) != 0 || !g_isa->takes(t, w->ne[0])) return false;
         if (w->nb[0] != ggml_type_size(w->type) || w->nb[1] != ggml_row_size(w->type, w->ne[0])) return false;
-        if (op->op == GGML_OP_MUL_MAT_ID) return takes_id(op, w);
+        if (op->op == GGML_OP_MUL_MAT_ID) return takes_id(op, w, all);
     }
     if (w->ne[2] != 1 || w->ne[3] != 1) return false;
     const int64_t n = act_rows(x);
-    if (n < 1 || (n > DFK_MAX_ROWS && !all_rows(w->buffer))) return false;
+    if (n < 1 || (n > DFK_MAX_ROWS && !all)) return false;
     /* activation rows evenly strided, f32 values contiguous; the output likewise */
     if (x->nb[2] != x->nb[1] * x->ne[1] || x->nb[3] != x->nb[2] * x->ne[2]) return false;
     if (op->ne[0] != w->ne[1] || op->nb[0] != sizeof(float) || op->nb[2] != op->nb[1] * op->ne[1] ||
@@ -335,6 +338,7 @@ static void be_free(ggml_backend_t b) {
     free(c->src);
     free(c->y);
     free(c->idx);
+    free(c->attn);
     free(c);
     free(b);
 }
@@ -393,6 +397,63 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
     return GGML_STATUS_SUCCESS;
 }
 
+/* attention of fewer multiply-adds stays on one thread */
+#define DFK_ATTN_SPLIT_MIN 65536
+
+/* Run one attention (attn.h) on n_threads: the work items split evenly (a row's result is the same
+ * whichever thread, and whichever tile size, computes it); tiles small enough that each thread gets two. */
+static enum ggml_status attn_run(const struct dfk_isa * isa, struct dfk_attn * a, int n_threads, float ** scratch,
+                                 size_t * have) {
+    const int64_t macs = a->n_q * a->n_seq * a->n_head * a->n_kv * a->d;
+    const int nth = macs >= DFK_ATTN_SPLIT_MIN && n_threads > 1 ? n_threads : 1;
+    a->tile = DFK_ATTN_TILE;
+    while (a->tile > 1 && dfk_attn_tiles(a) < 2 * nth) a->tile /= 2;
+    const size_t per = (dfk_attn_scratch(a) + 15) & ~(size_t) 15;
+    if (!grow((void **) scratch, have, per * nth * sizeof(float))) return GGML_STATUS_ALLOC_FAILED;
+    const int64_t n = dfk_attn_tiles(a);
+    float * base = *scratch;
+    #pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        isa->attn(a, n * ith / nt, n * (ith + 1) / nt, base + per * ith);
+    }
+    atomic_fetch_add(&g_attn, 1);
+    atomic_fetch_add(&g_attn_rows, a->n_q * a->n_seq);
+    return GGML_STATUS_SUCCESS;
+}
+
+static struct dfk_attn attn_of(const struct ggml_tensor * op) {
+    const struct ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * m = op->src[3], * sk = op->src[4];
+    struct dfk_attn a;
+    memset(&a, 0, sizeof(a));
+    a.q = (const char *) q->data;
+    a.k = (const char *) k->data;
+    a.v = (const char *) v->data;
+    a.mask = m ? (const char *) m->data : NULL;
+    a.sinks = sk ? (const float *) sk->data : NULL;
+    a.dst = (char *) op->data;
+    for (int i = 0; i < 4; i++) {
+        a.q_nb[i] = q->nb[i];
+        a.k_nb[i] = k->nb[i];
+        a.v_nb[i] = v->nb[i];
+        a.m_nb[i] = m ? m->nb[i] : 0;
+    }
+    a.d_nb1 = op->nb[1];
+    a.d = q->ne[0];
+    a.n_q = q->ne[1];
+    a.n_head = q->ne[2];
+    a.n_seq = q->ne[3];
+    a.n_kv = k->ne[1];
+    a.n_head_kv = k->ne[2];
+    a.n_seq_kv = k->ne[3];
+    a.m_ne2 = m ? m->ne[2] : 1;
+    a.m_ne3 = m ? m->ne[3] : 1;
+    memcpy(&a.scale, (const float *) op->op_params + 0, sizeof(float));
+    memcpy(&a.softcap, (const float *) op->op_params + 2, sizeof(float));
+    if (a.softcap != 0.0f) a.scale /= a.softcap;
+    return a;
+}
+
 static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     struct kctx * c = (struct kctx *) b->context;
     struct ggml_tensor * pending[RUN_MAX];  /* the run so far */
@@ -401,7 +462,8 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     for (int i = 0; i < ggml_graph_n_nodes(g) && st == GGML_STATUS_SUCCESS; i++) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (is_view(node->op)) continue;
-        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) return GGML_STATUS_FAILED;
+        const bool attn = node->op == GGML_OP_FLASH_ATTN_EXT;
+        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID && !attn) return GGML_STATUS_FAILED;
         const bool runs = node->op == GGML_OP_MUL_MAT && !is_router(node->src[0]);
         if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], pending, m))) {  /* the run so far first */
             st = mul_mat_run(c, pending, m);
@@ -409,7 +471,10 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         }
         if (st != GGML_STATUS_SUCCESS) break;
         if (runs) pending[m++] = node;
-        else st = node->op == GGML_OP_MUL_MAT ? mul_router(node) : mul_mat_id(c, node);
+        else if (attn) {
+            struct dfk_attn a = attn_of(node);
+            st = attn_run(g_isa, &a, c->n_threads, &c->attn, &c->attn_size);
+        } else st = node->op == GGML_OP_MUL_MAT ? mul_router(node) : mul_mat_id(c, node);
     }
     if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, pending, m);
     return st;
@@ -466,7 +531,11 @@ static void dev_props(ggml_backend_dev_t d, struct ggml_backend_dev_props * p) {
 static ggml_backend_buffer_type_t dev_buft(ggml_backend_dev_t d) { return ggml_backend_cpu_buffer_type(); }
 
 /* views are left where the scheduler puts them (taking one would split the graph for nothing) */
-static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op); }
+static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) {
+    return !is_view(op->op) && op->op != GGML_OP_FLASH_ATTN_EXT && takes(op, false);
+}
+static bool dev_supports_op_attn(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, false); }
+static bool dev_supports_op_all(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, true); }
 
 static bool dev_supports_buft(ggml_backend_dev_t d, ggml_backend_buffer_type_t buft) {
     return ggml_backend_buft_is_host(buft) || is_repack_buft(buft);
@@ -476,7 +545,12 @@ static bool dev_offload_op(ggml_backend_dev_t d, const struct ggml_tensor * op) 
 
 /* registry */
 
-static struct ggml_backend_device g_dev;
+/* The scheduler asks a backend's device what it takes.  g_dev, the registered device, takes small
+ * products only: attention is not taken in contexts llama-dflash does not drive, since a context
+ * created with flash attention "auto" would find it on another device than its layers' and turn
+ * flash attention off.  g_dev_attn takes their attention too, g_dev_all both at every row count:
+ * the devices of backends switched by dflash_kernels_backend_set. */
+static struct ggml_backend_device g_dev, g_dev_attn, g_dev_all;
 static struct ggml_backend_reg g_reg;
 
 static const char * reg_name(ggml_backend_reg_t r) { return "DFLASH"; }
@@ -509,6 +583,9 @@ int32_t dflash_kernels_register(char * err, size_t err_len) {
             g_dev.iface.supports_buft = dev_supports_buft;
             g_dev.iface.offload_op = dev_offload_op;
             g_dev.reg = &g_reg;
+            g_dev_attn = g_dev_all = g_dev;
+            g_dev_attn.iface.supports_op = dev_supports_op_attn;
+            g_dev_all.iface.supports_op = dev_supports_op_all;
             g_reg.api_version = DFLASH_GGML_BACKEND_API_VERSION;
             g_reg.iface.get_name = reg_name;
             g_reg.iface.get_device_count = reg_count;
@@ -547,6 +624,15 @@ int32_t dflash_kernels_take_file(const char * path) {
     return n > 0 && taken == n;
 }
 
+bool dflash_kernels_backend_set(ggml_backend_t b, int attention, int all_rows) {
+    if (!b || b->iface.graph_compute != be_compute) return false;
+    struct kctx * c = (struct kctx *) b->context;
+    if (attention >= 0) c->takes_attn = attention;
+    if (all_rows >= 0) c->all_rows = all_rows;
+    b->device = c->all_rows ? &g_dev_all : c->takes_attn ? &g_dev_attn : &g_dev;
+    return true;
+}
+
 ggml_backend_t dflash_kernels_backend(int n_threads) {
     if (!g_isa || !atomic_load(&g_enabled)) return NULL;
     ggml_backend_t b = dev_init(&g_dev, NULL);
@@ -563,6 +649,8 @@ void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
     out->rows = atomic_load(&g_rows);
     for (int i = 0; i <= DFK_MAX_ROWS; i++) out->by_rows[i] = atomic_load(&g_by_rows[i]);
     out->products_id = atomic_load(&g_products_id);
+    out->attention = atomic_load(&g_attn);
+    out->attention_rows = atomic_load(&g_attn_rows);
 }
 
 int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,
@@ -614,6 +702,100 @@ int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t
         ggml_backend_tensor_set(tx, x, 0, ggml_nbytes(tx));
         if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
             ggml_backend_tensor_get(ty, y, 0, ggml_nbytes(ty));
+            rc = 0;
+        }
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_backend_free(cpu);
+    ggml_free(ctx);
+    return rc;
+}
+
+static struct dfk_attn attn_flat(const float * q, const uint16_t * k, const uint16_t * v, const uint16_t * mask,
+                                  const float * sinks, float * out, int64_t d, int64_t n_q, int64_t n_head,
+                                  int64_t n_kv, int64_t n_head_kv, float scale, float softcap) {
+    struct dfk_attn a;
+    memset(&a, 0, sizeof(a));
+    a.q = (const char *) q;
+    a.k = (const char *) k;
+    a.v = (const char *) v;
+    a.mask = (const char *) mask;
+    a.sinks = sinks;
+    a.dst = (char *) out;
+    a.q_nb[0] = sizeof(float), a.q_nb[2] = d * sizeof(float), a.q_nb[1] = n_head * a.q_nb[2], a.q_nb[3] = n_q * a.q_nb[1];
+    a.k_nb[0] = 2, a.k_nb[2] = d * 2, a.k_nb[1] = n_head_kv * a.k_nb[2], a.k_nb[3] = n_kv * a.k_nb[1];
+    memcpy(a.v_nb, a.k_nb, sizeof(a.v_nb));
+    a.m_nb[0] = 2, a.m_nb[1] = n_kv * 2, a.m_nb[2] = a.m_nb[3] = n_q * a.m_nb[1];
+    a.d_nb1 = d * sizeof(float);
+    a.d = d, a.n_q = n_q, a.n_head = n_head, a.n_seq = 1, a.n_kv = n_kv, a.n_head_kv = n_head_kv, a.n_seq_kv = 1;
+    a.m_ne2 = a.m_ne3 = 1;
+    a.softcap = softcap;
+    a.scale = softcap != 0.0f ? scale / softcap : scale;
+    return a;
+}
+
+int32_t dflash_kernels_attn(const char * isa_name, const float * q, const uint16_t * k, const uint16_t * v,
+                            const uint16_t * mask, const float * sinks, float * out, int64_t d, int64_t n_q,
+                            int64_t n_head, int64_t n_kv, int64_t n_head_kv, float scale, float softcap,
+                            int32_t tile, int32_t n_threads) {
+    const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
+    if (!isa) return -2;
+    if (d < 16 || d % 16 != 0 || d > 512 || n_q < 1 || n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0 ||
+        tile < 0 || tile > DFK_ATTN_TILE)
+        return -1;
+    struct dfk_attn a = attn_flat(q, k, v, mask, sinks, out, d, n_q, n_head, n_kv, n_head_kv, scale, softcap);
+    float * scratch = NULL;
+    size_t have = 0;
+    enum ggml_status st;
+    if (tile == 0) {
+        st = attn_run(isa, &a, n_threads > 0 ? n_threads : 1, &scratch, &have);
+    } else {
+        a.tile = tile;
+        const int nth = n_threads > 0 ? n_threads : 1;
+        const size_t per = (dfk_attn_scratch(&a) + 15) & ~(size_t) 15;
+        const int64_t n = dfk_attn_tiles(&a);
+        st = grow((void **) &scratch, &have, per * nth * sizeof(float)) ? GGML_STATUS_SUCCESS : GGML_STATUS_ALLOC_FAILED;
+        if (st == GGML_STATUS_SUCCESS) {
+            #pragma omp parallel num_threads(nth) if (nth > 1)
+            {
+                const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+                isa->attn(&a, n * ith / nt, n * (ith + 1) / nt, scratch + per * ith);
+            }
+        }
+    }
+    free(scratch);
+    return st == GGML_STATUS_SUCCESS ? 0 : -1;
+}
+
+/* ggml-cpu's own FLASH_ATTN_EXT on the same data (a one-node graph, the layout llama.cpp builds). */
+int32_t dflash_kernels_attn_ggml(const float * q, const uint16_t * k, const uint16_t * v, const uint16_t * mask,
+                                 const float * sinks, float * out, int64_t d, int64_t n_q, int64_t n_head,
+                                 int64_t n_kv, int64_t n_head_kv, float scale, float softcap, int32_t n_threads) {
+    struct ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), NULL, true };
+    struct ggml_context * ctx = ggml_init(ip);
+    ggml_backend_t cpu = ggml_backend_cpu_init();
+    if (!ctx || !cpu) { if (ctx) ggml_free(ctx); if (cpu) ggml_backend_free(cpu); return -1; }
+    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    struct ggml_tensor * tq = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, d, n_head, n_q);
+    struct ggml_tensor * tk = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d, n_head_kv, n_kv);
+    struct ggml_tensor * tv = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d, n_head_kv, n_kv);
+    struct ggml_tensor * tm = mask ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_q) : NULL;
+    struct ggml_tensor * ts = sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_head) : NULL;
+    struct ggml_tensor * fa = ggml_flash_attn_ext(ctx, ggml_permute(ctx, tq, 0, 2, 1, 3), ggml_permute(ctx, tk, 0, 2, 1, 3),
+                                                  ggml_permute(ctx, tv, 0, 2, 1, 3), tm, scale, 0.0f, softcap);
+    if (ts) ggml_flash_attn_ext_add_sinks(fa, ts);
+    struct ggml_cgraph * g = ggml_new_graph(ctx);
+    ggml_build_forward_expand(g, fa);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu);
+    int32_t rc = -1;
+    if (buf) {
+        ggml_backend_tensor_set(tq, q, 0, ggml_nbytes(tq));
+        ggml_backend_tensor_set(tk, k, 0, ggml_nbytes(tk));
+        ggml_backend_tensor_set(tv, v, 0, ggml_nbytes(tv));
+        if (tm) ggml_backend_tensor_set(tm, mask, 0, ggml_nbytes(tm));
+        if (ts) ggml_backend_tensor_set(ts, sinks, 0, ggml_nbytes(ts));
+        if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_get(fa, out, 0, ggml_nbytes(fa));
             rc = 0;
         }
         ggml_backend_buffer_free(buf);

@@ -14,11 +14,11 @@ extern "C" {
  * NULL where the kernels are not registered or switched off. */
 ggml_backend_t dflash_kernels_backend(int n_threads);
 
-struct llama_model;
-/* Every product of `model`'s weights (a type the kernels read) to the kernels whatever its rows (on),
- * or back to 1..16 rows (off): exact mode's contexts, whose prompt rows must round as their
- * one-token decodes do.  No effect where the kernels are not registered. */
-void dflash_kernels_all_rows(const struct llama_model * model, bool on);
+/* Whether b is an instance of the kernels' backend; if so, from its context's next graph split it
+ * takes that context's attention of 1..16 rows too (attention 1) or not (0), and its products and
+ * attention at every row count (all_rows 1: exact mode's contexts, whose prompt rows must round as
+ * their one-token decodes do) or 1..16 rows (0).  -1 leaves a setting as it is. */
+bool dflash_kernels_backend_set(ggml_backend_t b, int attention, int all_rows);
 
 #ifdef __cplusplus
 }

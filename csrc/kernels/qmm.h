@@ -37,6 +37,8 @@ struct dfk_act {
     int16_t * xbs;
 };
 
+struct dfk_attn;
+
 /* One instruction set's kernels (qmm_avx512.c, qmm_avx2.c). */
 struct dfk_isa {
     const char * name;
@@ -49,6 +51,8 @@ struct dfk_isa {
                 const struct dfk_act * a, float * y, size_t y_stride);
     /* int8 multiply-adds of this instruction set's dot, n of them, on the calling thread (roofline) */
     int64_t (*mac_loop)(int64_t n);
+    /* attention work items [t0, t1) of a (attn.h) */
+    void (*attn)(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch);
 };
 
 size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's four arrays */

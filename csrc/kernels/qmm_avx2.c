@@ -4,6 +4,7 @@
  * (the other types' values are at most 63). */
 #include <immintrin.h>
 
+#include "attn.h"
 #include "qmm_common.h"
 
 static inline float h2f_at(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h2f(h); }
@@ -408,6 +409,6 @@ static int64_t mac_loop2(int64_t n) {
     return (int64_t) v[0] + v[7];
 }
 
-static const struct dfk_isa isa = { "avx2", takes2, quantize2, mul2, mac_loop2 };
+static const struct dfk_isa isa = { "avx2", takes2, quantize2, mul2, mac_loop2, dfk_attn_avx2 };
 
 const struct dfk_isa * dfk_isa_avx2(void) { return &isa; }

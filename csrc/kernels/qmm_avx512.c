@@ -2,6 +2,7 @@
  * multiple of 64 values, decoded 64 at a time in registers into qmm.h's canonical form. */
 #include <immintrin.h>
 
+#include "attn.h"
 #include "qmm_common.h"
 
 /* decoders: chunk i (values 64i .. 64i+63) of a weight row -> q (u8), s, o per 4-value lane */
@@ -391,6 +392,6 @@ static int64_t mac_loop512(int64_t n) {
     return _mm512_reduce_add_epi32(t);
 }
 
-static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512, mac_loop512 };
+static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512, mac_loop512, dfk_attn_avx512 };
 
 const struct dfk_isa * dfk_isa_avx512(void) { return &isa; }

@@ -114,7 +114,14 @@ def new_context(model, params, what: str = "a llama context"):
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise DFlashError(f"could not create {what} ({params.n_ctx} positions, {params.n_seq_max} sequences)")
+    attention_kernels(ctx)
     return ctx
+
+
+def attention_kernels(ctx) -> None:
+    """The small-batch kernels (when on) take the context's attention too: every target context the
+    package drives (after llama.cpp resolved flash attention "auto" on its own devices)."""
+    lib.dflash_context_kernels_attention(ptr("struct llama_context *", ctx), True)
 
 
 def tokenize(vocab, data: bytes, add_special: bool, parse_special: bool) -> list[int]:

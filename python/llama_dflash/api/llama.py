@@ -244,6 +244,8 @@ class Llama(llama_cpp.Llama):
         self.last_speculative_stats: SpecStats | None = None
         self.speculative_stats_total = SpeculativeTotals()
         if self._core is None:
+            if load.exact and getattr(self, "_ctx", None) is not None:  # a reference of the same rounding too
+                exact_mode.reference_kernels(self._ctx.ctx)
             return
         if len(self.input_ids) < self.n_ctx():
             # llama.cpp raised n_ctx to its floor: llama-cpp-python's completions run to that context

@@ -307,6 +307,7 @@ class EngineCore(_native.Resource):
             self._engine = e
             self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
             return
+        _native.attention_kernels(ctx)  # (the drop-in Llama's context is llama-cpp-python's)
         if self.exact is not None:  # (prepare_context proved it) before the capture is bound and first use
             exact_mode.reference_kernels(ctx)
         self.ctx = ctx

@@ -1,5 +1,5 @@
 """The small-batch kernels (csrc/kernels, docs/architecture.md §13): a ggml backend of our own that
-takes the target's matrix products of 1..16 rows, registered once per process before any model
+takes the target's matrix products and attention of 1..16 rows, registered once per process before any model
 loads.  ``LLAMA_DFLASH_KERNELS=0`` in the environment keeps it unregistered (ggml's kernels
 everywhere, for A/B runs); :func:`set_enabled` switches it off and on for contexts' next graphs."""
 
@@ -30,6 +30,8 @@ class KernelStats:
     products: int = 0
     rows: int = 0
     by_rows: dict[int, int] = field(default_factory=dict)  # products by activation rows
+    attention: int = 0       # attentions (FLASH_ATTN_EXT) computed
+    attention_rows: int = 0  # query rows (tokens) in them
 
     @property
     def isa(self) -> str:
@@ -66,7 +68,8 @@ def stats() -> KernelStats:
     if not s.registered and _env_off():
         status = f"kernels off ({ENV}=0)"
     return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
-                       {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]})
+                       {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]}, int(s.attention),
+                       int(s.attention_rows))
 
 
 def describe() -> str:
