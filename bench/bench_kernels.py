@@ -2,7 +2,7 @@
 
 - ``roofline``: read bandwidth and int8 multiply-add peak (the kernels' own dot instruction), 1 and
   2 threads.
-- ``curve``: t(k) of ``llama_decode`` of k rows after a 64-token prefix (all logits), k = 1..16, with
+- ``curve``: t(k) of ``llama_decode`` of k rows after a prefix (``--prefix``, 64 tokens) (all logits), k = 1..16, with
   ggml's kernels and with ours, interleaved round by round (best of the rounds), and a 512-token
   prefill both ways; per target: t(k) / t(1) of each, ours against ggml's one-row time, and the
   share of the roofline each reaches (time the weights take to read once ÷ measured, and
@@ -63,9 +63,9 @@ def roofline() -> dict:
 
 
 class Target:
-    """One model with a context a mode; decodes after a 64-token prefix."""
+    """One model with a context a mode; decodes after a prefix of ``prefix`` tokens."""
 
-    def __init__(self, path: Path, n_threads: int):
+    def __init__(self, path: Path, n_threads: int, prefix: int = 64):
         mp = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
@@ -84,8 +84,10 @@ class Target:
         # weight bytes and multiply-adds of one row: every matrix product's weights
         self.weight_bytes = llama_cpp.llama_model_size(self.model)
         self.n_params = llama_cpp.llama_model_n_params(self.model)
+        self.prefix = prefix
         for mode in self.ctx:
-            self.decode(mode, 64, 0, logits=False)
+            for p0 in range(0, prefix, 512):
+                self.decode(mode, min(512, prefix - p0), p0, logits=False)
 
     def decode(self, mode: str, n: int, pos0: int, logits: bool = True) -> float:
         kernels.set_enabled(mode == "dflash")
@@ -111,15 +113,15 @@ class Target:
         kernels.set_enabled(True)
 
 
-def curve(name: str, path: Path, rounds: int, roof: dict, n_threads: int) -> dict:
-    t = Target(path, n_threads)
+def curve(name: str, path: Path, rounds: int, roof: dict, n_threads: int, prefix: int = 64) -> dict:
+    t = Target(path, n_threads, prefix)
     best = {m: {k: 1e9 for k in KS} for m in t.ctx}
     prefill = {m: 1e9 for m in t.ctx}
     before = kernels.stats().by_rows
     for _ in range(rounds):
         for k in KS:
             for mode in t.ctx:  # interleaved: both see the same hour
-                best[mode][k] = min(best[mode][k], t.decode(mode, k, 64))
+                best[mode][k] = min(best[mode][k], t.decode(mode, k, t.prefix))
         for mode in t.ctx:
             prefill[mode] = min(prefill[mode], t.decode(mode, 512, 0, logits=False))
     taken = {n: c - before.get(n, 0) for n, c in kernels.stats().by_rows.items() if c - before.get(n, 0)}
@@ -233,23 +235,27 @@ def main() -> int:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix", type=int, default=64, help="positions decoded before each timed batch")
     ap.add_argument("--problems", type=int, default=10)
     ap.add_argument("--prose", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results/kernels.json")
     a = ap.parse_args()
+    if not 1 <= a.prefix <= 512:  # (the prefill timing rewrites positions 0..511 between rounds)
+        ap.error("--prefix must be 1..512")
     _logger.set_verbose(False)
     if not kernels.stats().registered:
         raise SystemExit(f"the kernels are not registered here: {kernels.stats().status}")
     out = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "cpu": cpu_model(), "threads": a.threads, "kernels": kernels.describe(), "load": os.getloadavg()}
+           "cpu": cpu_model(), "threads": a.threads, "prefix": a.prefix, "kernels": kernels.describe(),
+           "load": os.getloadavg()}
     parts = a.parts.split(",")
     roof = roofline() if "roofline" in parts or "curve" in parts else {}
     out["roofline"] = roof
     if "curve" in parts:
         out["curve"] = {}
         for name in a.targets.split(","):
-            out["curve"][name] = curve(name, TARGETS[name](), a.rounds, roof, a.threads)
+            out["curve"][name] = curve(name, TARGETS[name](), a.rounds, roof, a.threads, a.prefix)
     if "e2e" in parts:
         out["e2e"] = e2e(a.problems, a.prose, a.tokens, a.threads)
     out["load_after"] = os.getloadavg()

@@ -693,7 +693,16 @@ Forcing the AVX2 kernels: 116–117 / 270–274 ms on Qwen2.5 (llama.cpp's AVX51
 k-row batches got faster too (1 thread, Qwen2.5 k = 4 / 8 / 16 on AVX2: 154 / 288 / 558 ms, before
 999 / 1708 / 2450). Gemma-3 now gives the kernels all 127 products of a one-row decode (before: 46,
 its 81 Q5_0 ones stayed with ggml). The "Small-batch kernels" section above (2026-12-05 02:17)
-predates these changes and awaits a re-run of `bench/bench_kernels.py` on a quiet machine.
+predates these changes; "The verify curve, measured again" below is the later run.
+
+**The kernels' own attention** (2026-12-05 13:00, docs/architecture.md §13). Interleaved A/B of the
+package before and after it (SmolLM2-135M Q4_0, 2 threads, flash attention on, best of 15, three
+rounds, processes alternating; no json): after 64 positions t(1) / t(4) / t(8) 6.46–6.90 /
+9.55–9.81 / 14.80–14.99 ms before, 6.42–6.79 / 8.63–9.25 / 13.53–14.08 after; after 448 positions
+8.90–9.08 / 15.88–16.06 / 25.57–26.15 before, 7.74–8.79 / 10.94–11.42 / 15.75–16.42 after.
+`llama-dflash demo` (13:09–13:12, load 0.4–1.3, four runs): 1.39×, 1.35×, 1.31×, 1.41× over our
+own exact plain loop, ceiling 1.91–1.94× (1.37× / 1.26× / 1.47× and ceiling ~1.5× at 10:36, before
+it), bit-identical every time.
 """
 
 
@@ -1060,7 +1069,8 @@ def kernels() -> list[str]:
            "", "Roofline (`dflash_kernels_roofline`): " + "; ".join(
                f"{k.replace('/', ', ')} thread(s) read {v['read_gb_s']:.1f} GB/s, int8 {v['int8_gmac_s']:.0f} G MAC/s"
                for k, v in r["roofline"].items()) + ".", "",
-           "`llama_decode` of k rows after a 64-token prefix, all logits, best of the interleaved rounds: t(k) / t(1) "
+           f"`llama_decode` of k rows after a {r.get('prefix', 64)}-token prefix, all logits, best of the interleaved "
+           "rounds: t(k) / t(1) "
            "of ggml's kernels and of ours, ours against ggml's one-row time, and the share of the roofline ours "
            "reach (the weights read once at the measured bandwidth ÷ the time; k rows of multiply-adds at the "
            "measured int8 peak ÷ the time).", ""]
@@ -1070,6 +1080,13 @@ def kernels() -> list[str]:
         c = _load("kernels_curve.json")
         out += ["### The verify curve, measured again", "",
                 _source(c["command"], c["date"], "kernels_curve.json",
+                        f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
+                        f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
+    if (HERE / "kernels_curve_long.json").is_file():  # where attention weighs more
+        c = _load("kernels_curve_long.json")
+        out += [f"### The verify curve after {c['prefix']} positions", "",
+                "Attention's share grows with the context: the same measurement after a longer prefix.", "",
+                _source(c["command"], c["date"], "kernels_curve_long.json",
                         f"; {c['cpu']}, {c['threads']} threads, {c['kernels']}, load {c['load'][0]:.2f} before / "
                         f"{c['load_after'][0]:.2f} after"), ""] + _kernel_curves(c)
     if (HERE / "kernels_curve_avx2.json").is_file():  # AVX2 code on both sides, as an AVX2-only CPU runs it
