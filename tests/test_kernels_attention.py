@@ -142,6 +142,8 @@ def test_attention_not_taken_is_refused():
     q = np.zeros((1, 2, 40), np.float32)
     kv = np.zeros((3, 1, 40), np.float16)
     assert attention("", q, kv, kv, None, None, check=False) == -1  # head size not a multiple of 16
+    big_q, big_kv = np.zeros((1, 1, 272), np.float32), np.zeros((2, 1, 272), np.float16)
+    assert attention("", big_q, big_kv, big_kv, None, None, check=False) == -1  # nor above 256
     q, kv = q[:, :, :32], kv[:, :, :32]
     assert attention("", np.ascontiguousarray(q), np.ascontiguousarray(kv[:, :1]),
                      np.ascontiguousarray(kv[:, :1]), None, None, check=False) == 0

@@ -18,7 +18,7 @@ extern "C" {
  * [n_kv][>= n_q][m_ne2][m_ne3] (f16, broadcast over heads and sequences; NULL: every cell visible),
  * sinks [n_head] (f32, or NULL), dst [d][n_head][n_q][n_seq] (f32, rows of d_nb1 bytes).  Strides
  * in bytes.  s = softcap * tanh(scale * q.k) where softcap != 0 (scale then already divided by it, as
- * ggml does), else scale * q.k; d a multiple of 16. */
+ * ggml does), else scale * q.k; d a multiple of 16, at most 256. */
 struct dfk_attn {
     const char * q, * k, * v, * mask;
     const float * sinks;
@@ -35,7 +35,7 @@ static inline int64_t dfk_attn_tiles(const struct dfk_attn * a) {
     return a->n_seq * a->n_head_kv * ((a->n_head / a->n_head_kv * a->n_q + a->tile - 1) / a->tile);
 }
 /* cells of values converted to f32 at once: 32 KB of them, a multiple of 16 */
-#define DFK_ATTN_V_CHUNK(d) ((d) >= 512 ? 16 : 8192 / (d) / 16 * 16)
+#define DFK_ATTN_V_CHUNK(d) (8192 / (d) / 16 * 16)
 /* floats of scratch one thread needs: a block of keys, the tile's scores, a chunk of values, the
  * tile's accumulators */
 static inline size_t dfk_attn_scratch(const struct dfk_attn * a) {

@@ -58,8 +58,8 @@ static inline bool softmax_row(float * sc, int64_t n_kvp, const float * sink, fl
  * consecutive cells' multiply-adds overlap. */
 static inline __attribute__((always_inline)) void weigh_v(const float * p, int64_t j_lo, int64_t j_hi, const float * vf,
                                                          const int nc, float * acc0, float * acc1, int64_t * taken) {
-    VF a0[16], a1[16];  /* (nc <= 16 here: fully unrolled, so they stay in registers) */
-    _Pragma("GCC unroll 16") for (int c = 0; c < nc; c++) a0[c] = vld(acc0 + c * VLEN), a1[c] = vld(acc1 + c * VLEN);
+    VF a0[32], a1[32];  /* (nc <= 32: d <= 256; a constant nc's loops unroll and these stay in registers) */
+    _Pragma("GCC unroll 32") for (int c = 0; c < nc; c++) a0[c] = vld(acc0 + c * VLEN), a1[c] = vld(acc1 + c * VLEN);
     const bool two = nc <= 8;
     int64_t n = *taken;
     for (int64_t j0 = j_lo; j0 < j_hi; j0 += VLEN) {
@@ -70,32 +70,14 @@ static inline __attribute__((always_inline)) void weigh_v(const float * p, int64
             const VF pj = vset1(p[j]);
             const float * vr = vf + (j - j_lo) * nc * VLEN;
             if (two && (n++ & 1)) {
-                _Pragma("GCC unroll 16") for (int c = 0; c < nc; c++) a1[c] = vfma(pj, vld(vr + c * VLEN), a1[c]);
+                _Pragma("GCC unroll 32") for (int c = 0; c < nc; c++) a1[c] = vfma(pj, vld(vr + c * VLEN), a1[c]);
             } else {
-                _Pragma("GCC unroll 16") for (int c = 0; c < nc; c++) a0[c] = vfma(pj, vld(vr + c * VLEN), a0[c]);
+                _Pragma("GCC unroll 32") for (int c = 0; c < nc; c++) a0[c] = vfma(pj, vld(vr + c * VLEN), a0[c]);
             }
         }
     }
     *taken = n;
-    _Pragma("GCC unroll 16") for (int c = 0; c < nc; c++) vst(acc0 + c * VLEN, a0[c]), vst(acc1 + c * VLEN, a1[c]);
-}
-
-/* the same for any nc, its accumulators in memory */
-static void weigh_v_mem(const float * p, int64_t j_lo, int64_t j_hi, const float * vf, int nc, float * acc0,
-                        float * acc1, int64_t * taken) {
-    int64_t n = *taken;
-    for (int64_t j0 = j_lo; j0 < j_hi; j0 += VLEN) {
-        unsigned bits = vnonzero(vld(p + j0));
-        while (bits) {
-            const int64_t j = j0 + __builtin_ctz(bits);
-            bits &= bits - 1;
-            const VF pj = vset1(p[j]);
-            const float * vr = vf + (j - j_lo) * nc * VLEN;
-            float * acc = nc <= 8 && (n++ & 1) ? acc1 : acc0;
-            for (int c = 0; c < nc; c++) vst(acc + c * VLEN, vfma(pj, vld(vr + c * VLEN), vld(acc + c * VLEN)));
-        }
-    }
-    *taken = n;
+    _Pragma("GCC unroll 32") for (int c = 0; c < nc; c++) vst(acc0 + c * VLEN, a0[c]), vst(acc1 + c * VLEN, a1[c]);
 }
 
 static void weigh_v_any(const float * p, int64_t j_lo, int64_t j_hi, const float * vf, int nc, float * acc0,
@@ -104,7 +86,7 @@ static void weigh_v_any(const float * p, int64_t j_lo, int64_t j_hi, const float
         case 4: weigh_v(p, j_lo, j_hi, vf, 4, acc0, acc1, taken); break;
         case 8: weigh_v(p, j_lo, j_hi, vf, 8, acc0, acc1, taken); break;
         case 16: weigh_v(p, j_lo, j_hi, vf, 16, acc0, acc1, taken); break;
-        default: weigh_v_mem(p, j_lo, j_hi, vf, nc, acc0, acc1, taken); break;
+        default: weigh_v(p, j_lo, j_hi, vf, nc, acc0, acc1, taken); break;
     }
 }
 

@@ -133,7 +133,7 @@ static bool takes_attn(const struct ggml_tensor * op, bool all) {
     if (max_bias != 0.0f || q->nb[0] != sizeof(float) || k->nb[0] != 2 || v->nb[0] != 2 || !ggml_is_contiguous(op))
         return false;
     const int64_t d = q->ne[0];
-    if (d % 16 != 0 || d > 512 || k->ne[0] != d || v->ne[0] != d || op->ne[0] != d) return false;
+    if (d % 16 != 0 || d > 256 || k->ne[0] != d || v->ne[0] != d || op->ne[0] != d) return false;
     if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[1] < 1) return false;
     if (k->ne[2] < 1 || q->ne[2] % k->ne[2] != 0 || k->ne[3] < 1 || q->ne[3] % k->ne[3] != 0) return false;
     if (op->ne[1] != q->ne[2] || op->ne[2] != q->ne[1] || op->ne[3] != q->ne[3]) return false;
@@ -401,13 +401,13 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
 #define DFK_ATTN_SPLIT_MIN 65536
 
 /* Run one attention (attn.h) on n_threads: the work items split evenly (a row's result is the same
- * whichever thread, and whichever tile size, computes it); tiles small enough that each thread gets two. */
+ * whichever thread, and whichever tile size, computes it). */
 static enum ggml_status attn_run(const struct dfk_isa * isa, struct dfk_attn * a, int n_threads, float ** scratch,
                                  size_t * have) {
     const int64_t macs = a->n_q * a->n_seq * a->n_head * a->n_kv * a->d;
     const int nth = macs >= DFK_ATTN_SPLIT_MIN && n_threads > 1 ? n_threads : 1;
-    a->tile = DFK_ATTN_TILE;
-    while (a->tile > 1 && dfk_attn_tiles(a) < 2 * nth) a->tile /= 2;
+    a->tile = DFK_ATTN_TILE;  /* halved until each thread gets two items and a thread's scores fit in 4 MB */
+    while (a->tile > 1 && (dfk_attn_tiles(a) < 2 * nth || dfk_attn_scratch(a) > ((size_t) 1 << 20))) a->tile /= 2;
     const size_t per = (dfk_attn_scratch(a) + 15) & ~(size_t) 15;
     if (!grow((void **) scratch, have, per * nth * sizeof(float))) return GGML_STATUS_ALLOC_FAILED;
     const int64_t n = dfk_attn_tiles(a);
@@ -682,33 +682,41 @@ int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, 
     return 0;
 }
 
+/* Compute `out` of ctx on ggml-cpu with n_threads into result, its inputs in[i] set from data[i]
+ * (in[i] NULL: none); frees ctx.  -1: failed. */
+static int32_t ggml_cpu_run(struct ggml_context * ctx, struct ggml_tensor * out, struct ggml_tensor * const * in,
+                            const void * const * data, int n_in, void * result, int32_t n_threads) {
+    int32_t rc = -1;
+    ggml_backend_t cpu = ggml_backend_cpu_init();
+    struct ggml_cgraph * g = cpu ? ggml_new_graph(ctx) : NULL;
+    if (g) ggml_build_forward_expand(g, out);
+    ggml_backend_buffer_t buf = g ? ggml_backend_alloc_ctx_tensors(ctx, cpu) : NULL;
+    if (buf) {
+        ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+        for (int i = 0; i < n_in; i++)
+            if (in[i]) ggml_backend_tensor_set(in[i], data[i], 0, ggml_nbytes(in[i]));
+        if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_get(out, result, 0, ggml_nbytes(out));
+            rc = 0;
+        }
+        ggml_backend_buffer_free(buf);
+    }
+    if (cpu) ggml_backend_free(cpu);
+    ggml_free(ctx);
+    return rc;
+}
+
 /* The same product by ggml-cpu (a one-node graph): the reference the tests hold the kernels to. */
 int32_t dflash_kernels_mul_ggml(int32_t type, const void * w, int64_t k, int64_t ncol, const float * x, int32_t n,
                                 float * y, int32_t n_threads) {
     struct ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true };
     struct ggml_context * ctx = ggml_init(ip);
-    ggml_backend_t cpu = ggml_backend_cpu_init();
-    if (!ctx || !cpu) { if (ctx) ggml_free(ctx); if (cpu) ggml_backend_free(cpu); return -1; }
-    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    if (!ctx) return -1;
     struct ggml_tensor * tw = ggml_new_tensor_2d(ctx, (enum ggml_type) type, k, ncol);
     struct ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
-    struct ggml_tensor * ty = ggml_mul_mat(ctx, tw, tx);
-    struct ggml_cgraph * g = ggml_new_graph(ctx);
-    ggml_build_forward_expand(g, ty);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu);
-    int32_t rc = -1;
-    if (buf) {
-        ggml_backend_tensor_set(tw, w, 0, ggml_nbytes(tw));
-        ggml_backend_tensor_set(tx, x, 0, ggml_nbytes(tx));
-        if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
-            ggml_backend_tensor_get(ty, y, 0, ggml_nbytes(ty));
-            rc = 0;
-        }
-        ggml_backend_buffer_free(buf);
-    }
-    ggml_backend_free(cpu);
-    ggml_free(ctx);
-    return rc;
+    struct ggml_tensor * in[] = { tw, tx };
+    const void * data[] = { w, x };
+    return ggml_cpu_run(ctx, ggml_mul_mat(ctx, tw, tx), in, data, 2, y, n_threads);
 }
 
 static struct dfk_attn attn_flat(const float * q, const uint16_t * k, const uint16_t * v, const uint16_t * mask,
@@ -740,7 +748,7 @@ int32_t dflash_kernels_attn(const char * isa_name, const float * q, const uint16
                             int32_t tile, int32_t n_threads) {
     const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
     if (!isa) return -2;
-    if (d < 16 || d % 16 != 0 || d > 512 || n_q < 1 || n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0 ||
+    if (d < 16 || d % 16 != 0 || d > 256 || n_q < 1 || n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0 ||
         tile < 0 || tile > DFK_ATTN_TILE)
         return -1;
     struct dfk_attn a = attn_flat(q, k, v, mask, sinks, out, d, n_q, n_head, n_kv, n_head_kv, scale, softcap);
@@ -773,9 +781,7 @@ int32_t dflash_kernels_attn_ggml(const float * q, const uint16_t * k, const uint
                                  int64_t n_kv, int64_t n_head_kv, float scale, float softcap, int32_t n_threads) {
     struct ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), NULL, true };
     struct ggml_context * ctx = ggml_init(ip);
-    ggml_backend_t cpu = ggml_backend_cpu_init();
-    if (!ctx || !cpu) { if (ctx) ggml_free(ctx); if (cpu) ggml_backend_free(cpu); return -1; }
-    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    if (!ctx) return -1;
     struct ggml_tensor * tq = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, d, n_head, n_q);
     struct ggml_tensor * tk = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d, n_head_kv, n_kv);
     struct ggml_tensor * tv = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, d, n_head_kv, n_kv);
@@ -784,25 +790,9 @@ int32_t dflash_kernels_attn_ggml(const float * q, const uint16_t * k, const uint
     struct ggml_tensor * fa = ggml_flash_attn_ext(ctx, ggml_permute(ctx, tq, 0, 2, 1, 3), ggml_permute(ctx, tk, 0, 2, 1, 3),
                                                   ggml_permute(ctx, tv, 0, 2, 1, 3), tm, scale, 0.0f, softcap);
     if (ts) ggml_flash_attn_ext_add_sinks(fa, ts);
-    struct ggml_cgraph * g = ggml_new_graph(ctx);
-    ggml_build_forward_expand(g, fa);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu);
-    int32_t rc = -1;
-    if (buf) {
-        ggml_backend_tensor_set(tq, q, 0, ggml_nbytes(tq));
-        ggml_backend_tensor_set(tk, k, 0, ggml_nbytes(tk));
-        ggml_backend_tensor_set(tv, v, 0, ggml_nbytes(tv));
-        if (tm) ggml_backend_tensor_set(tm, mask, 0, ggml_nbytes(tm));
-        if (ts) ggml_backend_tensor_set(ts, sinks, 0, ggml_nbytes(ts));
-        if (ggml_backend_graph_compute(cpu, g) == GGML_STATUS_SUCCESS) {
-            ggml_backend_tensor_get(fa, out, 0, ggml_nbytes(fa));
-            rc = 0;
-        }
-        ggml_backend_buffer_free(buf);
-    }
-    ggml_backend_free(cpu);
-    ggml_free(ctx);
-    return rc;
+    struct ggml_tensor * in[] = { tq, tk, tv, tm, ts };
+    const void * data[] = { q, k, v, mask, sinks };
+    return ggml_cpu_run(ctx, fa, in, data, 5, out, n_threads);
 }
 
 /* The machine's roofline on n_threads threads: read bandwidth (GB/s, a sum over `bytes` of memory) and
