@@ -222,16 +222,24 @@ static inline float hsum(__m256 v) {
         case 1: fdot_##T##_1(row, rr, a, r0, y, y_stride); break;                                      \
         case 2: fdot_##T##_2(row, rr, a, r0, y, y_stride); break;                                      \
         case 3: fdot_##T##_3(row, rr, a, r0, y, y_stride); break;                                      \
-        default: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                     \
+        case 4: fdot_##T##_4(row, rr, a, r0, y, y_stride); break;                                      \
+        case 5: fdot_##T##_5(row, rr, a, r0, y, y_stride); break;                                      \
+        case 6: fdot_##T##_6(row, rr, a, r0, y, y_stride); break;                                      \
+        case 7: fdot_##T##_7(row, rr, a, r0, y, y_stride); break;                                      \
+        default: fdot_##T##_8(row, rr, a, r0, y, y_stride); break;                                     \
         }                                                                                              \
     }
 
-/* four rows at a time: sixteen registers hold four accumulators, four block sums and the decoded chunk */
+/* up to eight rows at a time, each chunk decoded once for all of them (past four rows the sixteen
+ * registers no longer hold every accumulator: the superblocks' sums spill, each row's arithmetic
+ * unchanged) */
 #define FUSED_TYPE(T, ZP, SIGNED, MINS, FINE)                                                          \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 1) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 2)                    \
     FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 3) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 4)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 5) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 6)                    \
+    FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 7) FUSED_DOT(T, ZP, SIGNED, MINS, FINE, 8)                    \
     FDOT_SWITCH(T)                                                                                     \
-    DFK_FMUL(T, 4)
+    DFK_FMUL(T, 8)
 
 /*         type    ZP SIGNED MINS FINE */
 FUSED_TYPE(q4_0,   1, 0,     0,   1)
@@ -242,8 +250,9 @@ FUSED_TYPE(q5_0,   1, 0,     0,   1)
 FUSED_TYPE(q4_1,   0, 0,     1,   1)
 
 INT_DOT(q6_K, 1) INT_DOT(q6_K, 2) INT_DOT(q6_K, 3) INT_DOT(q6_K, 4)
+INT_DOT(q6_K, 5) INT_DOT(q6_K, 6) INT_DOT(q6_K, 7) INT_DOT(q6_K, 8)
 FDOT_SWITCH(q6_K)
-DFK_FMUL(q6_K, 4)
+DFK_FMUL(q6_K, 8)
 
 /* activation rows a repacked kernel takes in one pass over a group's blocks: the blocks' decoding is
  * shared by them (16 registers do not hold 8 rows' accumulators: those go through L1, each row's
