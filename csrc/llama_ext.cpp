@@ -73,19 +73,6 @@ int32_t dflash_model_tensors(const llama_model * model, const char * name,
     return n;
 }
 
-int32_t dflash_model_weight_buffers(const llama_model * model, ggml_backend_buffer_t * out, int32_t max_out) {
-    const dflash_llama_ext * ext = dflash_llama_ext_get();
-    if (!ext->tensor_map) return -1;
-    int32_t n = 0;
-    for (const auto & [tname, t] : ((tensor_map_fn) ext->tensor_map)(model)) {
-        ggml_backend_buffer_t b = t->view_src ? t->view_src->buffer : t->buffer;
-        bool seen = !b;
-        for (int32_t i = 0; i < n && !seen; i++) seen = out[i] == b;
-        if (!seen && n < max_out) out[n++] = b;
-    }
-    return n;
-}
-
 int32_t dflash_context_reference_kernels(llama_context * ctx, bool on) {
     const dflash_llama_ext * ext = dflash_llama_ext_get();
     if (!ext->get_sched) return -1;

@@ -23,8 +23,6 @@ const dflash_llama_ext * dflash_llama_ext_get(void);
 int32_t dflash_model_tensors(const struct llama_model * model, const char * name,
                              struct ggml_tensor ** out, int32_t max_out);
 
-// The distinct buffers holding `model`'s weights (up to max_out); -1 if the table is unreachable.
-int32_t dflash_model_weight_buffers(const struct llama_model * model, ggml_backend_buffer_t * out, int32_t max_out);
 
 #ifdef __cplusplus
 }

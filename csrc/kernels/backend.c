@@ -7,9 +7,10 @@
  * weight differently (make_cpu_buft_list skips it) and prefill runs exactly as before; the scheduler
  * hands it a MUL_MAT, or a MUL_MAT_ID (a MoE layer's experts), whose weight lives in a host buffer in
  * ggml's standard layout (or ggml-cpu's repacked one), of a type qmm.h decodes, with 1..DFK_MAX_ROWS
- * activation rows (tokens, for MUL_MAT_ID), and a FLASH_ATTN_EXT of f16 K/V with as many query rows
- * (attn.h).  Everything else stays with ggml-cpu.  A backend switched to every row count
- * (dflash_kernels_backend_all_rows: exact mode's contexts) takes those ops whatever their rows.
+ * activation rows (tokens, for MUL_MAT_ID), and, in the contexts llama-dflash drives, a FLASH_ATTN_EXT
+ * of f16 K/V with as many query rows (attn.h).  Everything else stays with ggml-cpu.  A backend
+ * switched to every row count (dflash_kernels_backend_set: exact mode's contexts) takes those ops
+ * whatever their rows.
  * Threads are OpenMP's, the same pool ggml-cpu uses, so nothing spins beside it.
  */
 #include "attn.h"
@@ -25,7 +26,6 @@
 #include "gguf.h"
 
 #include <omp.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,7 +54,7 @@ struct kctx {
     size_t src_size, y_size, idx_size;
     float * attn;  /* attention: every thread's scratch */
     size_t attn_size;
-    bool takes_attn, all_rows;  /* which device it answers as (set_device) */
+    bool takes_attn, all_rows;  /* which device it answers as (dflash_kernels_backend_set) */
 };
 
 static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
