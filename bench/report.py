@@ -702,7 +702,13 @@ rounds, processes alternating; no json): after 64 positions t(1) / t(4) / t(8) 6
 8.90–9.08 / 15.88–16.06 / 25.57–26.15 before, 7.74–8.79 / 10.94–11.42 / 15.75–16.42 after.
 `llama-dflash demo` (13:09–13:12, load 0.4–1.3, four runs): 1.39×, 1.35×, 1.31×, 1.41× over our
 own exact plain loop, ceiling 1.91–1.94× (1.37× / 1.26× / 1.47× and ceiling ~1.5× at 10:36, before
-it), bit-identical every time.
+it), bit-identical every time; fixed drafts on the same prompt (13:13, two rounds) 1.25–1.37× (3),
+1.19–1.25× (5), 1.04–1.19× (7), adaptive 1.37× both times. Exact mode's self-check (16 rows probed,
+the 300-position probe included) passes at 16 of 16 rows on SmolLM2-135M Q4_0, Gemma-3-270M and
+Qwen2.5-Coder-1.5B Q4_K_M, with the AVX512 kernels and with the AVX2 build (13:26). The same
+decodes repeated back to back (no ggml context between them, the weights partly L3-resident) ran
+faster at 13:27: SmolLM2 t(1) 4.8–6.7 ms, t(4)/t(1) 1.16–1.53, t(8)/t(1) 1.85–2.43; the curve above
+alternates with ggml's context and is the comparable measurement.
 """
 
 
