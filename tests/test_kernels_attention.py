@@ -214,6 +214,34 @@ def test_attention_goes_to_kernels_in_the_packages_contexts(tiny):
         llama_cpp.llama_free(ctx)
 
 
+def test_package_contexts_compute_what_ggml_computes(tmp_path):
+    """The kernels' attention and the row-wise ops between products (norms, residual adds, SwiGLU)
+    that a package context gives them: a verify-sized batch's logits as ggml-cpu's, to rounding
+    (f32 matrices, which stay with ggml: no 8-bit activations to amplify a rounding)."""
+    spec = TargetSpec(n_layer=3, seed=4)
+    model = _native.load_model(write_target(str(tmp_path / "f32.gguf"), spec), llama_cpp.llama_model_default_params())
+    toks = [(13 * i + 7) % 200 + 10 for i in range(44)]
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    out = []
+    try:
+        for make in (lambda: _native.new_context(model, _context_params()),
+                     lambda: llama_cpp.llama_init_from_model(model, _context_params())):
+            ctx = make()
+            try:
+                exact._decode(ctx, toks[:40], 0, n_vocab, False)
+                before = kernels.stats().attention
+                out.append(exact._decode(ctx, toks[40:], 40, n_vocab, False))
+                out.append(kernels.stats().attention - before)
+            finally:
+                llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+    ours, taken, ggml, untaken = out
+    assert taken == spec.n_layer and untaken == 0
+    assert not np.array_equal(ours, ggml)  # (two computations: ggml's attention sums in f16)
+    np.testing.assert_allclose(ours, ggml, atol=5e-3 * np.abs(ggml).max())  # (ggml: f16 query, f16 sums)
+
+
 def test_other_contexts_keep_ggmls_attention_and_auto_flash_attention(tiny):
     """A context llama-dflash did not create keeps ggml's attention; with flash attention "auto",
     llama.cpp still finds it on its layers' device and keeps it on."""

@@ -25,6 +25,7 @@
 #include "ggml.h"
 #include "gguf.h"
 
+#include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -143,10 +144,63 @@ static bool takes_attn(const struct ggml_tensor * op, bool all) {
     return n >= 1 && (n <= DFK_MAX_ROWS || all);
 }
 
+/* The row-wise ops between the products (a layer's norms, residual adds, SwiGLU) in the contexts
+ * llama-dflash drives: computed on the calling thread (a few rows), they keep a layer's products
+ * and attention in one split instead of a split of ggml-cpu's between each. */
+static bool is_rowwise(enum ggml_op op) {
+    return op == GGML_OP_RMS_NORM || op == GGML_OP_MUL || op == GGML_OP_ADD || op == GGML_OP_GLU;
+}
+
+static bool f32_rows(const struct ggml_tensor * t) { return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t); }
+
+static bool takes_rowwise(const struct ggml_tensor * op, bool all) {
+    const struct ggml_tensor * a = op->src[0], * b = op->src[1];
+    if (!f32_rows(op) || !a || !f32_rows(a) || !ggml_are_same_shape(a, op)) return false;
+    const int dims = ggml_n_dims(op);  /* tokens: the outermost dimension (a q-norm's rows are heads x tokens) */
+    const int64_t n_tok = dims >= 2 ? op->ne[dims - 1] : 1;
+    if (n_tok > DFK_MAX_ROWS && !all) return false;
+    switch (op->op) {
+        case GGML_OP_RMS_NORM: return true;
+        case GGML_OP_MUL:
+        case GGML_OP_ADD:  /* the same shape, or one row for every row (a norm's weight, a bias) */
+            return b && f32_rows(b) && (ggml_are_same_shape(a, b) || (b->ne[0] == a->ne[0] && ggml_nrows(b) == 1));
+        case GGML_OP_GLU:  /* SwiGLU of separate gate and up */
+            return ggml_get_glu_op(op) == GGML_GLU_OP_SWIGLU && op->op_params[1] == 0 && b && f32_rows(b) &&
+                   ggml_are_same_shape(a, b);
+        default: return false;
+    }
+}
+
+static void rowwise(const struct ggml_tensor * op) {
+    const struct ggml_tensor * a = op->src[0], * b = op->src[1];
+    const int64_t n = a->ne[0], rows = ggml_nrows(op);
+    for (int64_t r = 0; r < rows; r++) {
+        const float * x = (const float *) a->data + r * n;
+        float * y = (float *) op->data + r * n;
+        const float * z = b ? (const float *) b->data + (ggml_nrows(b) == 1 ? 0 : r * n) : NULL;
+        switch (op->op) {
+            case GGML_OP_RMS_NORM: {  /* as ggml-cpu: squares summed in double, one float scale */
+                float eps;
+                memcpy(&eps, op->op_params, sizeof(float));
+                double sum = 0.0;
+                for (int64_t i = 0; i < n; i++) sum += (double) (x[i] * x[i]);
+                const float mean = (float) (sum / (double) n);
+                const float scale = 1.0f / sqrtf(mean + eps);
+                for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale;
+            } break;
+            case GGML_OP_MUL: for (int64_t i = 0; i < n; i++) y[i] = x[i] * z[i]; break;
+            case GGML_OP_ADD: for (int64_t i = 0; i < n; i++) y[i] = x[i] + z[i]; break;
+            case GGML_OP_GLU: g_isa->swiglu(x, z, y, n); break;
+            default: break;
+        }
+    }
+}
+
 /* The ops this backend takes; the scheduler asks with the weight's buffer set.  all: at any row count. */
 static bool takes(const struct ggml_tensor * op, bool all) {
     if (!g_isa || !atomic_load(&g_enabled)) return false;
     if (op->op == GGML_OP_FLASH_ATTN_EXT) return takes_attn(op, all);
+    if (is_rowwise(op->op)) return takes_rowwise(op, all);
     if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) return false;
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
     if (x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
@@ -462,8 +516,8 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     for (int i = 0; i < ggml_graph_n_nodes(g) && st == GGML_STATUS_SUCCESS; i++) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (is_view(node->op)) continue;
-        const bool attn = node->op == GGML_OP_FLASH_ATTN_EXT;
-        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID && !attn) return GGML_STATUS_FAILED;
+        const bool attn = node->op == GGML_OP_FLASH_ATTN_EXT, row = is_rowwise(node->op);
+        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID && !attn && !row) return GGML_STATUS_FAILED;
         const bool runs = node->op == GGML_OP_MUL_MAT && !is_router(node->src[0]);
         if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], pending, m))) {  /* the run so far first */
             st = mul_mat_run(c, pending, m);
@@ -471,6 +525,7 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         }
         if (st != GGML_STATUS_SUCCESS) break;
         if (runs) pending[m++] = node;
+        else if (row) rowwise(node);
         else if (attn) {
             struct dfk_attn a = attn_of(node);
             st = attn_run(g_isa, &a, c->n_threads, &c->attn, &c->attn_size);
@@ -532,7 +587,7 @@ static ggml_backend_buffer_type_t dev_buft(ggml_backend_dev_t d) { return ggml_b
 
 /* views are left where the scheduler puts them (taking one would split the graph for nothing) */
 static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) {
-    return !is_view(op->op) && op->op != GGML_OP_FLASH_ATTN_EXT && takes(op, false);
+    return !is_view(op->op) && op->op != GGML_OP_FLASH_ATTN_EXT && !is_rowwise(op->op) && takes(op, false);
 }
 static bool dev_supports_op_attn(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, false); }
 static bool dev_supports_op_all(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, true); }
