@@ -37,6 +37,7 @@ from llama_dflash.api import completion
 from llama_dflash.api.llama import openai_response_format
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.verify.certify import certify
+from llama_dflash.verify.certify import checker as make_checker
 
 _logger.set_verbose(False)
 
@@ -219,7 +220,7 @@ def _describe(d: dict) -> str:
 def grammar(target: str, drafter: str, n_draft: int, max_tokens: int) -> list[dict]:
     plain = llama_cpp.Llama(target, n_ctx=2048, verbose=False)
     spec = llama_dflash.Llama(target, n_ctx=2048, verbose=False, draft_model_path=drafter, draft_n_max=n_draft)
-    checker = llama_cpp.Llama(target, n_ctx=2048, verbose=False, logits_all=True)  # every row of a batch
+    checker = make_checker(target, 2048)  # every row of a batch
     steps: list[dict] = []
 
     def on_step(st):

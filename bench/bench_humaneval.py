@@ -32,6 +32,7 @@ from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
 from llama_dflash.train.prompts import chatml, humaneval_problems, humaneval_prompts
 from llama_dflash.verify.certify import certify, divergence_report
+from llama_dflash.verify.certify import checker as make_checker
 
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
 
@@ -77,7 +78,7 @@ def main() -> None:
     llm = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     g = SpeculativeGenerator(target, drafter, n_ctx=1024, n_threads=threads)
     # plain llama-cpp-python keeping every row's logits: replays a divergent run's verify batches
-    checker = llama_cpp.Llama(str(target), n_ctx=1024, n_threads=threads, logits_all=True, verbose=False)
+    checker = make_checker(str(target), 1024, threads)
     agg: dict[str, dict] = {}
 
     def add(key: str, n_tok: int, secs: float, stats=None) -> None:

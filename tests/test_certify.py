@@ -3,12 +3,12 @@ plain llama-cpp-python, evaluating the speculative run's own batches, picks the 
 
 from __future__ import annotations
 
-import llama_cpp
 import numpy as np
 import pytest
 
 from llama_dflash import SpeculativeGenerator
 from llama_dflash.verify.certify import certify, gap_in_batches
+from llama_dflash.verify.certify import checker as make_checker
 
 PROMPTS = ["# TODO: fix the", "def main():"]  # (the first diverged at a 0.0004 margin on one CPU)
 
@@ -16,7 +16,7 @@ PROMPTS = ["# TODO: fix the", "def main():"]  # (the first diverged at a 0.0004 
 @pytest.fixture(scope="module")
 def setup(artifacts):
     a = artifacts["llama"]
-    checker = llama_cpp.Llama(a["target"], n_ctx=256, logits_all=True, verbose=False)
+    checker = make_checker(a["target"], 256)
     with SpeculativeGenerator(a["target"], a["drafter"], n_ctx=256) as g:
         yield g, checker
     checker.close()

@@ -214,32 +214,43 @@ def test_attention_goes_to_kernels_in_the_packages_contexts(tiny):
         llama_cpp.llama_free(ctx)
 
 
-def test_package_contexts_compute_what_ggml_computes(tmp_path):
-    """The kernels' attention and the row-wise ops between products (norms, residual adds, SwiGLU)
-    that a package context gives them: a verify-sized batch's logits as ggml-cpu's, to rounding
-    (f32 matrices, which stay with ggml: no 8-bit activations to amplify a rounding)."""
-    spec = TargetSpec(n_layer=3, seed=4)
-    model = _native.load_model(write_target(str(tmp_path / "f32.gguf"), spec), llama_cpp.llama_model_default_params())
+def _verify_batch_logits(model, flash_attn: int) -> list:
+    """A 4-row batch's logits after a 40-token prefix, in a context the package creates and in one
+    created as llama-cpp-python creates it, each with the attentions and row-wise ops the kernels
+    took meanwhile."""
     toks = [(13 * i + 7) % 200 + 10 for i in range(44)]
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     out = []
+    for make in (_native.new_context, llama_cpp.llama_init_from_model):
+        ctx = make(model, _context_params(flash_attn))
+        try:
+            exact._decode(ctx, toks[:40], 0, n_vocab, False)
+            before = kernels.stats()
+            out.append(exact._decode(ctx, toks[40:], 40, n_vocab, False))
+            after = kernels.stats()
+            out.append((after.attention - before.attention, after.rowwise - before.rowwise))
+        finally:
+            llama_cpp.llama_free(ctx)
+    return out
+
+
+def test_package_contexts_compute_what_ggml_computes(tmp_path):
+    """What a package context hands the kernels beyond the products, on a target whose f32 matrices
+    stay with ggml: the row-wise ops between products (norms, norm weights, residual adds) round as
+    ggml-cpu's, bit for bit; the attention computes ggml's to rounding (ggml sums in f16)."""
+    spec = TargetSpec(n_layer=3, seed=4)
+    model = _native.load_model(write_target(str(tmp_path / "f32.gguf"), spec), llama_cpp.llama_model_default_params())
     try:
-        for make in (lambda: _native.new_context(model, _context_params()),
-                     lambda: llama_cpp.llama_init_from_model(model, _context_params())):
-            ctx = make()
-            try:
-                exact._decode(ctx, toks[:40], 0, n_vocab, False)
-                before = kernels.stats().attention
-                out.append(exact._decode(ctx, toks[40:], 40, n_vocab, False))
-                out.append(kernels.stats().attention - before)
-            finally:
-                llama_cpp.llama_free(ctx)
+        ours, taken, ggml, untaken = _verify_batch_logits(model, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        # a layer's two norms, two norm weights, two residual adds; the output norm and its weight
+        assert taken == (0, 6 * spec.n_layer + 2) and untaken == (0, 0), (taken, untaken)
+        assert np.array_equal(ours, ggml), np.abs(ours - ggml).max()
+        ours, taken, ggml, untaken = _verify_batch_logits(model, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        assert taken == (spec.n_layer, 6 * spec.n_layer + 2) and untaken == (0, 0), (taken, untaken)
+        assert not np.array_equal(ours, ggml)
+        np.testing.assert_allclose(ours, ggml, atol=5e-3 * np.abs(ggml).max())
     finally:
         llama_cpp.llama_model_free(model)
-    ours, taken, ggml, untaken = out
-    assert taken == spec.n_layer and untaken == 0
-    assert not np.array_equal(ours, ggml)  # (two computations: ggml's attention sums in f16)
-    np.testing.assert_allclose(ours, ggml, atol=5e-3 * np.abs(ggml).max())  # (ggml: f16 query, f16 sums)
 
 
 def test_other_contexts_keep_ggmls_attention_and_auto_flash_attention(tiny):

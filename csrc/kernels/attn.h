@@ -46,9 +46,6 @@ static inline size_t dfk_attn_scratch(const struct dfk_attn * a) {
 /* work items [t0, t1) on the calling thread (each instruction set's) */
 void dfk_attn_avx512(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch);
 void dfk_attn_avx2(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch);
-/* y = silu(x) * g over n values, each value's arithmetic fixed (SwiGLU between a layer's products) */
-void dfk_swiglu_avx512(const float * x, const float * g, float * y, int64_t n);
-void dfk_swiglu_avx2(const float * x, const float * g, float * y, int64_t n);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,6 @@
 
 #define VLEN 8
 typedef __m256 VF;
-#define SWIGLU_FN dfk_swiglu_avx2
 #define ATTN_FN dfk_attn_avx2
 
 static inline VF vld(const float * p) { return _mm256_loadu_ps(p); }
@@ -37,12 +36,6 @@ static inline float vred_add(VF x) {
 static inline VF vmask_add(VF s, VF m) {  /* s + m, -inf where m is */
     const VF ninf = _mm256_set1_ps(-INFINITY);
     return _mm256_blendv_ps(_mm256_add_ps(s, m), ninf, _mm256_cmp_ps(m, ninf, _CMP_EQ_OQ));
-}
-
-static inline VF vabs(VF x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
-static inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
-static inline VF vsel_ge0(VF x, VF a, VF b) {  /* x >= 0 ? a : b */
-    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 
 /* r[i] = the sum of a[i]'s lanes, by one fixed tree: pairs within 128-bit lanes, then 64-bit

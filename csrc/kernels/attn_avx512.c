@@ -4,7 +4,6 @@
 
 #define VLEN 16
 typedef __m512 VF;
-#define SWIGLU_FN dfk_swiglu_avx512
 #define ATTN_FN dfk_attn_avx512
 
 static inline VF vld(const float * p) { return _mm512_loadu_ps(p); }
@@ -25,12 +24,6 @@ static inline float vred_add(VF x) { return _mm512_reduce_add_ps(x); }
 static inline VF vmask_add(VF s, VF m) {  /* s + m, -inf where m is */
     return _mm512_mask_mov_ps(_mm512_add_ps(s, m), _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                               _mm512_set1_ps(-INFINITY));
-}
-
-static inline VF vabs(VF x) { return _mm512_abs_ps(x); }
-static inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
-static inline VF vsel_ge0(VF x, VF a, VF b) {  /* x >= 0 ? a : b */
-    return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), a);
 }
 
 /* r[i] = the sum of a[i]'s lanes, by one fixed tree: pairs within 128-bit lanes, then 64-bit

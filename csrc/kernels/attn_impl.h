@@ -185,29 +185,3 @@ void ATTN_FN(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch)
     }
 }
 
-/* y = silu(x) * g = x * sigmoid(x) * g, sigmoid from exp(-|x|) (the exp above takes x <= 0 only) */
-void SWIGLU_FN(const float * x, const float * g, float * y, int64_t n) {
-    const VF one = vset1(1.0f), zero = vzero();
-    for (int64_t i = 0; i < n; i += VLEN) {
-        float xb[VLEN], gb[VLEN], yb[VLEN];
-        const int m = n - i < VLEN ? (int) (n - i) : VLEN;
-        const float * xp = x + i, * gp = g + i;
-        if (m < VLEN) {  /* (a row's tail: the same arithmetic on a padded copy) */
-            memset(xb, 0, sizeof(xb));
-            memset(gb, 0, sizeof(gb));
-            memcpy(xb, xp, m * sizeof(float));
-            memcpy(gb, gp, m * sizeof(float));
-            xp = xb, gp = gb;
-        }
-        const VF xv = vld(xp);
-        const VF t = vexp(vsub(zero, vabs(xv)));
-        const VF sig = vdiv(vsel_ge0(xv, one, t), vadd(one, t));
-        const VF out = vmul(vmul(xv, sig), vld(gp));
-        if (m < VLEN) {
-            vst(yb, out);
-            memcpy(y + i, yb, m * sizeof(float));
-        } else {
-            vst(y + i, out);
-        }
-    }
-}

@@ -39,7 +39,7 @@
 
 static const struct dfk_isa * g_isa;
 static atomic_bool g_enabled = true;
-static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id, g_attn, g_attn_rows;
+static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id, g_attn, g_attn_rows, g_rowwise;
 static char g_status[160] = "not registered";
 
 /* a product of fewer weight values stays on one thread: too small to be worth waking another */
@@ -144,12 +144,11 @@ static bool takes_attn(const struct ggml_tensor * op, bool all) {
     return n >= 1 && (n <= DFK_MAX_ROWS || all);
 }
 
-/* The row-wise ops between the products (a layer's norms, residual adds, SwiGLU) in the contexts
- * llama-dflash drives: computed on the calling thread (a few rows), they keep a layer's products
- * and attention in one split instead of a split of ggml-cpu's between each. */
-static bool is_rowwise(enum ggml_op op) {
-    return op == GGML_OP_RMS_NORM || op == GGML_OP_MUL || op == GGML_OP_ADD || op == GGML_OP_GLU;
-}
+/* The row-wise ops between the products (a layer's norms, norm weights, residual adds) in the
+ * contexts llama-dflash drives: computed on the calling thread (a few rows), they keep the products
+ * around them in one split instead of a split of ggml-cpu's between each.  Each value as ggml-cpu
+ * computes it (SwiGLU's is not: ggml's vector exp is its own), so a context rounds as before. */
+static bool is_rowwise(enum ggml_op op) { return op == GGML_OP_RMS_NORM || op == GGML_OP_MUL || op == GGML_OP_ADD; }
 
 static bool f32_rows(const struct ggml_tensor * t) { return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t); }
 
@@ -164,9 +163,6 @@ static bool takes_rowwise(const struct ggml_tensor * op, bool all) {
         case GGML_OP_MUL:
         case GGML_OP_ADD:  /* the same shape, or one row for every row (a norm's weight, a bias) */
             return b && f32_rows(b) && (ggml_are_same_shape(a, b) || (b->ne[0] == a->ne[0] && ggml_nrows(b) == 1));
-        case GGML_OP_GLU:  /* SwiGLU of separate gate and up */
-            return ggml_get_glu_op(op) == GGML_GLU_OP_SWIGLU && op->op_params[1] == 0 && b && f32_rows(b) &&
-                   ggml_are_same_shape(a, b);
         default: return false;
     }
 }
@@ -179,7 +175,7 @@ static void rowwise(const struct ggml_tensor * op) {
         float * y = (float *) op->data + r * n;
         const float * z = b ? (const float *) b->data + (ggml_nrows(b) == 1 ? 0 : r * n) : NULL;
         switch (op->op) {
-            case GGML_OP_RMS_NORM: {  /* as ggml-cpu: squares summed in double, one float scale */
+            case GGML_OP_RMS_NORM: {  /* as ggml-cpu: squares summed in double in order, one float scale */
                 float eps;
                 memcpy(&eps, op->op_params, sizeof(float));
                 double sum = 0.0;
@@ -190,7 +186,6 @@ static void rowwise(const struct ggml_tensor * op) {
             } break;
             case GGML_OP_MUL: for (int64_t i = 0; i < n; i++) y[i] = x[i] * z[i]; break;
             case GGML_OP_ADD: for (int64_t i = 0; i < n; i++) y[i] = x[i] + z[i]; break;
-            case GGML_OP_GLU: g_isa->swiglu(x, z, y, n); break;
             default: break;
         }
     }
@@ -525,7 +520,10 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         }
         if (st != GGML_STATUS_SUCCESS) break;
         if (runs) pending[m++] = node;
-        else if (row) rowwise(node);
+        else if (row) {
+            rowwise(node);
+            atomic_fetch_add(&g_rowwise, 1);
+        }
         else if (attn) {
             struct dfk_attn a = attn_of(node);
             st = attn_run(g_isa, &a, c->n_threads, &c->attn, &c->attn_size);
@@ -706,6 +704,7 @@ void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
     out->products_id = atomic_load(&g_products_id);
     out->attention = atomic_load(&g_attn);
     out->attention_rows = atomic_load(&g_attn_rows);
+    out->rowwise = atomic_load(&g_rowwise);
 }
 
 int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,

@@ -53,8 +53,6 @@ struct dfk_isa {
     int64_t (*mac_loop)(int64_t n);
     /* attention work items [t0, t1) of a (attn.h) */
     void (*attn)(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch);
-    /* y = silu(x) * g over n values */
-    void (*swiglu)(const float * x, const float * g, float * y, int64_t n);
 };
 
 size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's four arrays */

@@ -418,6 +418,6 @@ static int64_t mac_loop2(int64_t n) {
     return (int64_t) v[0] + v[7];
 }
 
-static const struct dfk_isa isa = { "avx2", takes2, quantize2, mul2, mac_loop2, dfk_attn_avx2, dfk_swiglu_avx2 };
+static const struct dfk_isa isa = { "avx2", takes2, quantize2, mul2, mac_loop2, dfk_attn_avx2 };
 
 const struct dfk_isa * dfk_isa_avx2(void) { return &isa; }

@@ -392,6 +392,6 @@ static int64_t mac_loop512(int64_t n) {
     return _mm512_reduce_add_epi32(t);
 }
 
-static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512, mac_loop512, dfk_attn_avx512, dfk_swiglu_avx512 };
+static const struct dfk_isa isa = { "avx512vnni", takes512, quantize512, mul512, mac_loop512, dfk_attn_avx512 };
 
 const struct dfk_isa * dfk_isa_avx512(void) { return &isa; }

@@ -32,6 +32,7 @@ class KernelStats:
     by_rows: dict[int, int] = field(default_factory=dict)  # products by activation rows
     attention: int = 0       # attentions (FLASH_ATTN_EXT) computed
     attention_rows: int = 0  # query rows (tokens) in them
+    rowwise: int = 0         # row-wise ops between products (norms, norm weights, residual adds)
 
     @property
     def isa(self) -> str:
@@ -69,7 +70,7 @@ def stats() -> KernelStats:
         status = f"kernels off ({ENV}=0)"
     return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
                        {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]}, int(s.attention),
-                       int(s.attention_rows))
+                       int(s.attention_rows), int(s.rowwise))
 
 
 def describe() -> str:

@@ -3,7 +3,8 @@
 A speculative run evaluates its tokens in verify batches of n + 1; plain decoding evaluates them
 one per ``llama_decode``.  llama.cpp's kernels round differently for different batch sizes, so
 at a near-tie the two runs may pick different tokens.  This module evaluates the same tokens
-with plain llama-cpp-python (``logits_all=True``, no DFlash code) both ways: one token per call,
+with plain llama-cpp-python (``logits_all=True``, no DFlash loop; its context computing as the
+package's contexts do: :func:`checker`) both ways: one token per call,
 and in exactly the speculative run's batches (same positions and sizes; stand-ins for the drafts
 it rejected, dropped again afterwards, as the loop does).  When plain llama-cpp-python prefers
 its own token in the first and the speculative token in the second, the divergence is certified
@@ -15,6 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llama_cpp
+
+from .. import _native
+
+
+def checker(model_path: str, n_ctx: int, n_threads: int | None = None, flash_attn: bool = False) -> llama_cpp.Llama:
+    """Plain llama-cpp-python keeping every row's logits, its context set as every context the
+    package drives (the small-batch kernels take its attention and the row-wise ops between its
+    products too), so that its one-token rows round as the generator's plain decoding does."""
+    llm = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False,
+                          flash_attn=flash_attn)
+    _native.attention_kernels(llm._ctx.ctx)
+    return llm
 
 
 def _prefill(checker: llama_cpp.Llama, prompt: Sequence[int]) -> None:
@@ -112,9 +125,8 @@ def replay_divergence(model_path: str, toks: list[int], plain, spec, steps: list
     (flash attention as the generator ran)."""
     if _first_divergence(plain.tokens, spec.tokens) is None:
         return None
-    checker = llama_cpp.Llama(str(model_path), n_ctx=n_ctx, n_threads=n_threads, logits_all=True, verbose=False,
-                              flash_attn=flash_attn)
+    replayer = checker(model_path, n_ctx, n_threads, flash_attn)
     try:
-        return certify(checker, toks + plain.tokens, toks + spec.tokens, len(toks), steps)
+        return certify(replayer, toks + plain.tokens, toks + spec.tokens, len(toks), steps)
     finally:
-        checker.close()
+        replayer.close()
