@@ -708,7 +708,10 @@ the 300-position probe included) passes at 16 of 16 rows on SmolLM2-135M Q4_0, G
 Qwen2.5-Coder-1.5B Q4_K_M, with the AVX512 kernels and with the AVX2 build (13:26). The same
 decodes repeated back to back (no ggml context between them, the weights partly L3-resident) ran
 faster at 13:27: SmolLM2 t(1) 4.8–6.7 ms, t(4)/t(1) 1.16–1.53, t(8)/t(1) 1.85–2.43; the curve above
-alternates with ggml's context and is the comparable measurement.
+alternates with ggml's context and is the comparable measurement. With the row-wise ops taken too
+(commit 2831cbf), `llama-dflash demo` at 14:17 (four runs, load 0.4 before): 1.34×, 1.31×, 1.51×,
+1.45× (mean 1.40×), plain 137–156 tok/s, speculative 200–207 tok/s, ceiling 2.10–2.12×,
+bit-identical every time.
 """
 
 
