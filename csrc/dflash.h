@@ -274,9 +274,10 @@ int32_t dflash_capture_row_width(const dflash_capture * c);
  * before its self-check.  Returns the number of CPU backends set (0: none, e.g. every layer
  * offloaded), or -1 when libllama does not export what it needs (llama_context::get_sched). */
 int32_t dflash_context_reference_kernels(struct llama_context * ctx, bool on);
-/* The context's small-batch kernels take its attention of 1..16 query rows too (on), from its next
- * graph split; a context llama-dflash did not set keeps ggml's.  Returns the number of kernel
- * backends set (0: the kernels are off), -1 as above. */
+/* The context's small-batch kernels take its attention of 1..16 query rows and the row-wise ops
+ * between its products (norms, norm weights, residual adds) too (on), from its next graph split; a
+ * context llama-dflash did not set keeps ggml's.  Idempotent.  Returns the number of kernel backends
+ * set (0: the kernels are off), -1 as above. */
 int32_t dflash_context_kernels_attention(struct llama_context * ctx, bool on);
 
 /* ---- small-batch kernels (csrc/kernels, docs/architecture.md §13) ------- */

@@ -6,6 +6,7 @@
 #ifndef DFLASH_ATTN_H
 #define DFLASH_ATTN_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,8 +18,8 @@ extern "C" {
  * [d][n_kv][n_head_kv][n_seq_kv] (f16; n_head a multiple of n_head_kv, n_seq of n_seq_kv), mask
  * [n_kv][>= n_q][m_ne2][m_ne3] (f16, broadcast over heads and sequences; NULL: every cell visible),
  * sinks [n_head] (f32, or NULL), dst [d][n_head][n_q][n_seq] (f32, rows of d_nb1 bytes).  Strides
- * in bytes.  s = softcap * tanh(scale * q.k) where softcap != 0 (scale then already divided by it, as
- * ggml does), else scale * q.k; d a multiple of 16, at most 256. */
+ * in bytes.  s = softcap * tanh(scale * q.k / softcap) where softcap != 0, else scale * q.k (ggml's
+ * op parameters as they are); head sizes as dfk_attn_heads_ok takes them. */
 struct dfk_attn {
     const char * q, * k, * v, * mask;
     const float * sinks;
@@ -28,6 +29,14 @@ struct dfk_attn {
     float scale, softcap;
     int tile;  /* query vectors a work item takes, 1..DFK_ATTN_TILE: the work's split, not its result */
 };
+
+/* head sizes the kernels take: d values a head (a multiple of 16, at most 256: the accumulators of a
+ * query vector's values stay in registers), n_head query heads over n_head_kv KV heads */
+#define DFK_ATTN_MAX_D 256
+static inline bool dfk_attn_heads_ok(int64_t d, int64_t n_head, int64_t n_head_kv) {
+    return d >= 16 && d % 16 == 0 && d <= DFK_ATTN_MAX_D && n_head_kv >= 1 && n_head >= n_head_kv &&
+           n_head % n_head_kv == 0;
+}
 
 /* work items: a KV head of one sequence and up to `tile` of the query vectors that read it */
 #define DFK_ATTN_TILE 16

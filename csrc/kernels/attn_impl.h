@@ -117,7 +117,7 @@ void ATTN_FN(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch)
                                                   iq3 % a->m_ne3 * a->m_nb[3])
                             : NULL;
         }
-        const VF vscale = vset1(a->scale);
+        const VF vscale = vset1(a->softcap != 0.0f ? a->scale / a->softcap : a->scale);  /* (as ggml divides it) */
         for (int64_t j0 = 0; j0 < n_kvp; j0 += VLEN) {
             const int nw = (int) (a->n_kv - j0 < VLEN ? (a->n_kv - j0 > 0 ? a->n_kv - j0 : 0) : VLEN);
             if (nw == 0 || !any_visible(mp, nt, j0, nw)) {

@@ -134,9 +134,9 @@ static bool takes_attn(const struct ggml_tensor * op, bool all) {
     if (max_bias != 0.0f || q->nb[0] != sizeof(float) || k->nb[0] != 2 || v->nb[0] != 2 || !ggml_is_contiguous(op))
         return false;
     const int64_t d = q->ne[0];
-    if (d % 16 != 0 || d > 256 || k->ne[0] != d || v->ne[0] != d || op->ne[0] != d) return false;
+    if (!dfk_attn_heads_ok(d, q->ne[2], k->ne[2]) || k->ne[0] != d || v->ne[0] != d || op->ne[0] != d) return false;
     if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[1] < 1) return false;
-    if (k->ne[2] < 1 || q->ne[2] % k->ne[2] != 0 || k->ne[3] < 1 || q->ne[3] % k->ne[3] != 0) return false;
+    if (k->ne[3] < 1 || q->ne[3] % k->ne[3] != 0) return false;
     if (op->ne[1] != q->ne[2] || op->ne[2] != q->ne[1] || op->ne[3] != q->ne[3]) return false;
     if (m && (m->type != GGML_TYPE_F16 || m->nb[0] != 2 || m->ne[0] != k->ne[1] || m->ne[1] < q->ne[1])) return false;
     if (sk && (sk->type != GGML_TYPE_F32 || sk->ne[0] != q->ne[2] || !ggml_is_contiguous(sk))) return false;
@@ -449,14 +449,17 @@ static enum ggml_status mul_mat_run(struct kctx * c, struct ggml_tensor * const 
 /* attention of fewer multiply-adds stays on one thread */
 #define DFK_ATTN_SPLIT_MIN 65536
 
-/* Run one attention (attn.h) on n_threads: the work items split evenly (a row's result is the same
- * whichever thread, and whichever tile size, computes it). */
-static enum ggml_status attn_run(const struct dfk_isa * isa, struct dfk_attn * a, int n_threads, float ** scratch,
-                                 size_t * have) {
+/* Run one attention (attn.h), the work items split evenly over the threads.  tile 0: up to n_threads
+ * (one for small work), tiles halved from the most until each thread gets two items and a thread's
+ * scores fit in 4 MB; else (tests) those tiles on exactly n_threads.  A row's result is the same
+ * whichever tile size and thread compute it. */
+static enum ggml_status attn_run(const struct dfk_isa * isa, struct dfk_attn * a, int n_threads, int tile,
+                                 float ** scratch, size_t * have) {
     const int64_t macs = a->n_q * a->n_seq * a->n_head * a->n_kv * a->d;
-    const int nth = macs >= DFK_ATTN_SPLIT_MIN && n_threads > 1 ? n_threads : 1;
-    a->tile = DFK_ATTN_TILE;  /* halved until each thread gets two items and a thread's scores fit in 4 MB */
-    while (a->tile > 1 && (dfk_attn_tiles(a) < 2 * nth || dfk_attn_scratch(a) > ((size_t) 1 << 20))) a->tile /= 2;
+    const int nth = n_threads > 1 && (tile > 0 || macs >= DFK_ATTN_SPLIT_MIN) ? n_threads : 1;
+    a->tile = tile > 0 ? tile : DFK_ATTN_TILE;
+    while (tile == 0 && a->tile > 1 && (dfk_attn_tiles(a) < 2 * nth || dfk_attn_scratch(a) > ((size_t) 1 << 20)))
+        a->tile /= 2;
     const size_t per = (dfk_attn_scratch(a) + 15) & ~(size_t) 15;
     if (!grow((void **) scratch, have, per * nth * sizeof(float))) return GGML_STATUS_ALLOC_FAILED;
     const int64_t n = dfk_attn_tiles(a);
@@ -466,8 +469,6 @@ static enum ggml_status attn_run(const struct dfk_isa * isa, struct dfk_attn * a
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
         isa->attn(a, n * ith / nt, n * (ith + 1) / nt, base + per * ith);
     }
-    atomic_fetch_add(&g_attn, 1);
-    atomic_fetch_add(&g_attn_rows, a->n_q * a->n_seq);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -499,7 +500,6 @@ static struct dfk_attn attn_of(const struct ggml_tensor * op) {
     a.m_ne3 = m ? m->ne[3] : 1;
     memcpy(&a.scale, (const float *) op->op_params + 0, sizeof(float));
     memcpy(&a.softcap, (const float *) op->op_params + 2, sizeof(float));
-    if (a.softcap != 0.0f) a.scale /= a.softcap;
     return a;
 }
 
@@ -526,7 +526,9 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         }
         else if (attn) {
             struct dfk_attn a = attn_of(node);
-            st = attn_run(g_isa, &a, c->n_threads, &c->attn, &c->attn_size);
+            st = attn_run(g_isa, &a, c->n_threads, 0, &c->attn, &c->attn_size);
+            atomic_fetch_add(&g_attn, 1);
+            atomic_fetch_add(&g_attn_rows, a.n_q * a.n_seq);
         } else st = node->op == GGML_OP_MUL_MAT ? mul_router(node) : mul_mat_id(c, node);
     }
     if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, pending, m);
@@ -791,8 +793,7 @@ static struct dfk_attn attn_flat(const float * q, const uint16_t * k, const uint
     a.d_nb1 = d * sizeof(float);
     a.d = d, a.n_q = n_q, a.n_head = n_head, a.n_seq = 1, a.n_kv = n_kv, a.n_head_kv = n_head_kv, a.n_seq_kv = 1;
     a.m_ne2 = a.m_ne3 = 1;
-    a.softcap = softcap;
-    a.scale = softcap != 0.0f ? scale / softcap : scale;
+    a.scale = scale, a.softcap = softcap;
     return a;
 }
 
@@ -802,29 +803,12 @@ int32_t dflash_kernels_attn(const char * isa_name, const float * q, const uint16
                             int32_t tile, int32_t n_threads) {
     const struct dfk_isa * isa = dfk_isa_by_name(isa_name);
     if (!isa) return -2;
-    if (d < 16 || d % 16 != 0 || d > 256 || n_q < 1 || n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0 ||
-        tile < 0 || tile > DFK_ATTN_TILE)
+    if (!dfk_attn_heads_ok(d, n_head, n_head_kv) || n_q < 1 || n_kv < 1 || tile < 0 || tile > DFK_ATTN_TILE)
         return -1;
     struct dfk_attn a = attn_flat(q, k, v, mask, sinks, out, d, n_q, n_head, n_kv, n_head_kv, scale, softcap);
     float * scratch = NULL;
     size_t have = 0;
-    enum ggml_status st;
-    if (tile == 0) {
-        st = attn_run(isa, &a, n_threads > 0 ? n_threads : 1, &scratch, &have);
-    } else {
-        a.tile = tile;
-        const int nth = n_threads > 0 ? n_threads : 1;
-        const size_t per = (dfk_attn_scratch(&a) + 15) & ~(size_t) 15;
-        const int64_t n = dfk_attn_tiles(&a);
-        st = grow((void **) &scratch, &have, per * nth * sizeof(float)) ? GGML_STATUS_SUCCESS : GGML_STATUS_ALLOC_FAILED;
-        if (st == GGML_STATUS_SUCCESS) {
-            #pragma omp parallel num_threads(nth) if (nth > 1)
-            {
-                const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-                isa->attn(&a, n * ith / nt, n * (ith + 1) / nt, scratch + per * ith);
-            }
-        }
-    }
+    const enum ggml_status st = attn_run(isa, &a, n_threads > 0 ? n_threads : 1, tile, &scratch, &have);
     free(scratch);
     return st == GGML_STATUS_SUCCESS ? 0 : -1;
 }

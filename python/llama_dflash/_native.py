@@ -119,8 +119,9 @@ def new_context(model, params, what: str = "a llama context"):
 
 
 def attention_kernels(ctx) -> None:
-    """The small-batch kernels (when on) take the context's attention too: every target context the
-    package drives (after llama.cpp resolved flash attention "auto" on its own devices)."""
+    """The small-batch kernels (when on) take the context's attention and the row-wise ops between
+    its products too: every target context the package drives (after llama.cpp resolved flash
+    attention "auto" on its own devices)."""
     lib.dflash_context_kernels_attention(ptr("struct llama_context *", ctx), True)
 
 
