@@ -124,8 +124,10 @@ class Agg:
 class Upstream:
     """Upstream's DFlash loop as a peer: one llama-speculative-simple process per prompt."""
 
-    def __init__(self, binary: str, target: Path, drafter: Path, threads: int = 2) -> None:
-        self.binary, self.target, self.drafter, self.threads = binary, target, drafter, threads
+    def __init__(self, binary: str, target: Path, drafter: Path, threads: int = 2, rpc: str | None = None) -> None:
+        """rpc: "host:port,..." to split the target over rpc-servers (all its layers; the drafter
+        local, upstream's own workaround for its drafters over RPC)."""
+        self.binary, self.target, self.drafter, self.threads, self.rpc = binary, target, drafter, threads, rpc
 
     def run(self, text: str, n_tok: int, n_draft: int):
         """(tokens, decode seconds, stats-like counters) of one greedy generation."""
@@ -138,10 +140,11 @@ class Upstream:
             f.write(text)
             f.flush()
             t = str(self.threads)
+            place = ["-ngl", "0"] if self.rpc is None else ["--rpc", self.rpc, "-ngl", "99", "-devd", "none"]
             r = subprocess.run([self.binary, "-m", str(self.target), "-md", str(self.drafter), "--spec-type",
                                 "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", f.name, "--no-escape",
                                 "-n", str(n_tok), "--temp", "0", "--top-k", "1", "--seed", "1", "-c", "1024",
-                                "-t", t, "-td", t, "-ngl", "0", "-ngld", "0"],
+                                "-t", t, "-td", t, *place, "-ngld", "0"],
                                capture_output=True, text=True, timeout=600)
         log = r.stdout + r.stderr
         m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)

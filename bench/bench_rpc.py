@@ -12,10 +12,14 @@ Per target and delay: two ``SpeculativeGenerator``s over the proxies (exact="aut
 ``Llama`` and the CLI: its self-check runs over the split), one without a drafter (plain decoding:
 one ``llama_decode`` a token, as llama.cpp decodes, no capture) and one with it (adaptive
 speculation, the default; its capture reads the drafter's tapped rows from the servers), then
-prompt by prompt, interleaved; greedy, the same tokens each.  Recorded: tok/s of decoding,
+prompt by prompt, interleaved, and the speculative one again with the guards' read-ahead off (the
+two speculative runs' order alternating prompt by prompt)
+(``Cluster.read_ahead``: without it each tensor read after a decode, the logits and every tapped
+layer's rows, waits for its own round trip); greedy, the same tokens each.  Recorded: tok/s of decoding,
 tau, steps kept plain, whether the outputs are identical, the cost model's predicted draft + verify
 time against the measured one (its verify costs are measured on the real context, so they include
-the round trips), its t_verify(1) and t_verify(8), the RPC requests a plain token costs, and one
+the round trips), its t_verify(1) and t_verify(8), the RPC requests a plain token and a step cost and
+how many of them waited for the server's answer (a round trip each), and one
 ``llama_decode`` of 1 and of 8 rows, each repeated and the two alternating (``decode_by_shape``: a
 batch whose size differs from the last one's makes ggml-rpc send its graph again, with requests
 that wait for an answer).
@@ -23,10 +27,11 @@ that wait for an answer).
 Targets: SmolLM2-135M-Instruct Q4_0 with the shipped DFlash2 drafter; Gemma-3-270M Q4_K_M with a
 random-weight drafter (no trained drafter exists for it; the same recipe as bench/bench_exact.py):
 what the adaptive policy does when drafting cannot pay.  Upstream llama.cpp's own DFlash loop
-(llama-speculative-simple, bench/build-upstream.sh) is not run: its build has no RPC backend.
+(llama-speculative-simple, bench/build-upstream.sh, built with the RPC backend) runs over the same
+proxies after ours at each delay (an rpc-server serves one client at a time), its drafter local.
 
 Usage: python3 bench/bench_rpc.py [--targets smollm2,gemma] [--delays 0,0.5,2,5] [--prompts 3]
-                                  [--tokens 64] [--out bench/results/rpc.json]
+                                  [--tokens 64] [--out bench/results/rpc.json] [--no-upstream]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import threading
 import time
 from pathlib import Path
 
+UPSTREAM_N = 3  # upstream's draft length (its best of 3 / 7 on this CPU: bench/RESULTS.md)
 PROMPTS = [
     "<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome.<|im_end|>\n"
     "<|im_start|>assistant\n",
@@ -208,7 +214,7 @@ def shape_probe(g, rounds: int = 6) -> dict:
 
     def decode(k: int) -> tuple[float, int]:
         nonlocal pos
-        before = sum(t["requests"] for t in g.cluster.traffic())
+        before = sum(t["requests"] for t in g.cluster.traffic())  # (shape probe: all requests)
         t0 = time.perf_counter()
         exact._decode(ctx, [100 + (pos + i) % 1000 for i in range(k)], pos, g.n_vocab, False)
         dt = time.perf_counter() - t0
@@ -229,16 +235,35 @@ def shape_probe(g, rounds: int = 6) -> dict:
     return out
 
 
+def run_upstream(binary: str, target: Path, drafter: Path, endpoints: str, prompts: list[str], n_tok: int) -> dict:
+    """Upstream's DFlash loop over the same split (all layers on the servers, its drafter local),
+    one process per prompt: tok/s of decoding and tau from its log, or why it failed."""
+    from bench_adaptive import Upstream
+
+    up = Upstream(binary, target, drafter, threads=1, rpc=endpoints)
+    n = secs = drafted = accepted = steps = 0
+    try:
+        for p in prompts:
+            k, t, st = up.run(p, n_tok, UPSTREAM_N)
+            n, secs, drafted, accepted, steps = n + k, secs + t, drafted + st.drafted, accepted + st.accepted, \
+                steps + st.steps
+    except (RuntimeError, OSError) as e:
+        return {"error": " ".join(str(e).split())[-300:]}
+    return {"tok_s": round(n / secs, 2), "tau": round((accepted + steps) / steps, 2) if steps else None,
+            "n_draft": UPSTREAM_N}
+
+
 def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, str], delays: list[float],
-               prompts: list[str], n_tok: int) -> dict:
+               prompts: list[str], n_tok: int, upstream: str | None = None) -> dict:
     """Per delay: the target loaded twice over the same servers (one connection each, shared): plain
     (no drafter, so no capture: llama.cpp's own decoding) and with the drafter (adaptive)."""
     from llama_dflash.core.generator import SpeculativeGenerator
 
     out = {"target": target.name, "drafter": drafter.name, "delays": {}}
 
-    def requests(g) -> int:
-        return sum(t["requests"] for t in g.cluster.traffic())
+    def requests(g) -> tuple[int, int]:
+        tr = g.cluster.traffic()
+        return sum(t["requests"] for t in tr), sum(t["waited"] for t in tr)
 
     for d in delays:
         kw = dict(n_ctx=1024, n_threads=1, n_gpu_layers=-1, rpc_servers=endpoints[d], exact="auto")
@@ -251,21 +276,33 @@ def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, st
             toks = [gs.tokenize(p) for p in prompts]
             gp.generate(toks[0], 8)  # warm-up
             gs.generate(toks[0], 8)  # (the cost model is measured then, over the split)
-            acc = {k: {"tokens": 0, "seconds": 0.0} for k in ("plain", "adaptive")}
-            steps = plain_steps = accepted = same = 0
+            acc = {k: {"tokens": 0, "seconds": 0.0} for k in ("plain", "adaptive", "no_read_ahead")}
+            steps = plain_steps = accepted = same = same_nra = 0
             t_pred = t_meas = 0.0
-            req_plain, req_step = [], []
+            req = {k: [] for k in ("plain", "adaptive", "no_read_ahead")}
             exact = ""
-            for tk in toks:
-                before = requests(gp)
-                plain = gp.generate(tk, n_tok, stop_on_eos=False)
-                req_plain.append((requests(gp) - before) / n_tok)
-                before = requests(gs)
-                spec = gs.generate(tk, n_tok, stop_on_eos=False)
-                req_step.append((requests(gs) - before) / max(spec.stats.steps, 1))
-                for k, r in (("plain", plain), ("adaptive", spec)):
-                    acc[k]["tokens"] += len(r.tokens) - 1  # (decoding: the prefill's token excluded)
-                    acc[k]["seconds"] += r.stats.t_total_s
+
+            def run(g, tk, key, per_step, acc=acc, req=req):
+                before = requests(g)
+                r = g.generate(tk, n_tok, stop_on_eos=False)
+                n = max(r.stats.steps, 1) if per_step else n_tok
+                req[key].append([(b - a) / n for a, b in zip(before, requests(g), strict=True)])
+                acc[key]["tokens"] += len(r.tokens) - 1  # (decoding: the prefill's token excluded)
+                acc[key]["seconds"] += r.stats.t_total_s
+                return r
+
+            for i, tk in enumerate(toks):
+                plain = run(gp, tk, "plain", False)
+                for arm in (("adaptive", "no_read_ahead") if i % 2 == 0 else ("no_read_ahead", "adaptive")):
+                    gs.cluster.read_ahead(arm == "adaptive")
+                    try:
+                        r = run(gs, tk, arm, True)
+                    finally:
+                        gs.cluster.read_ahead(True)
+                    if arm == "adaptive":
+                        spec = r
+                    else:
+                        same_nra += r.tokens == plain.tokens
                 s = spec.stats
                 steps += s.steps
                 plain_steps += s.plain_steps
@@ -282,17 +319,31 @@ def run_target(name: str, target: Path, drafter: Path, endpoints: dict[float, st
                 gs.close()
         tps = {k: v["tokens"] / v["seconds"] for k, v in acc.items()}
         tv = costs.get("t_verify", [])
+        # (after ours: an rpc-server serves one client at a time)
+        ups = run_upstream(upstream, target, drafter, endpoints[d], prompts, n_tok) if upstream else None
+        if ups and "tok_s" in ups:
+            ups["speedup"] = round(ups["tok_s"] / tps["plain"], 3)
+
+        def mean_req(key: str, i: int, req=req) -> float:
+            return round(statistics.mean(x[i] for x in req[key]), 1)
+
         row = {"plain_tok_s": round(tps["plain"], 2), "adaptive_tok_s": round(tps["adaptive"], 2),
                "speedup": round(tps["adaptive"] / tps["plain"], 3),
+               "no_read_ahead_tok_s": round(tps["no_read_ahead"], 2),
+               "no_read_ahead_speedup": round(tps["no_read_ahead"] / tps["plain"], 3),
+               "no_read_ahead_identical": f"{same_nra}/{len(toks)}",
                "plain_ms_per_token": round(1e3 / tps["plain"], 2),
                "tau": round((accepted + steps) / steps, 2) if steps else None,
                "plain_steps": f"{plain_steps}/{steps}", "identical": f"{same}/{len(toks)}",
                "predicted_s": round(t_pred, 4), "measured_s": round(t_meas, 4),
                "predicted_over_measured": round(t_pred / t_meas, 3) if t_meas else None,
                "cost_t_verify_ms": {str(k): round(tv[k - 1] * 1e3, 2) for k in (1, 2, 4, 8) if k <= len(tv)},
-               "rpc_requests_per_plain_token": round(statistics.mean(req_plain), 1),
-               "rpc_requests_per_adaptive_step": round(statistics.mean(req_step), 1),
-               "load_s": round(t_load, 1), "exact": exact, "decode_by_shape": shapes}
+               "rpc_requests_per_plain_token": mean_req("plain", 0),
+               "rpc_requests_per_adaptive_step": mean_req("adaptive", 0),
+               "rpc_waited_per_plain_token": mean_req("plain", 1),
+               "rpc_waited_per_adaptive_step": mean_req("adaptive", 1),
+               "rpc_waited_per_step_no_read_ahead": mean_req("no_read_ahead", 1),
+               "load_s": round(t_load, 1), "exact": exact, "decode_by_shape": shapes, "upstream": ups}
         out["delays"][str(d)] = row
         print(f"{name} +{d} ms: {row}", flush=True)
     return out
@@ -312,7 +363,10 @@ def plot(res: dict, path: Path) -> bool:
         rows = list(r["delays"].values())
         ax1.plot(xs, [x["plain_tok_s"] for x in rows], "o--", label=f"{name}: plain")
         ax1.plot(xs, [x["adaptive_tok_s"] for x in rows], "o-", label=f"{name}: adaptive speculation")
-        ax2.plot(xs, [x["speedup"] for x in rows], "o-", label=name)
+        line = ax2.plot(xs, [x["speedup"] for x in rows], "o-", label=name)[0]
+        if all("no_read_ahead_speedup" in x for x in rows):
+            ax2.plot(xs, [x["no_read_ahead_speedup"] for x in rows], "x:", color=line.get_color(),
+                     label=f"{name}: without the guard's read-ahead")
     ax1.set_xlabel("added round trip per RPC request (ms)")
     ax1.set_ylabel("decode tok/s")
     ax1.set_title("Target split over two rpc-servers")
@@ -338,6 +392,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/rpc.json")
+    ap.add_argument("--no-upstream", action="store_true", help="skip upstream's loop (bench/build-upstream.sh)")
     a = ap.parse_args()
     from llama_cpp import _logger
 
@@ -362,7 +417,14 @@ def main() -> int:
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "cpu": cpu_model(), "load": os.getloadavg(), "threads": {"client": 1, "each_server": 1},
            "servers": 2, "prompts": a.prompts, "tokens": a.tokens,
-           "upstream": "not run: bench/build-upstream.sh builds llama-speculative-simple without the RPC backend"}
+           "upstream": None}
+    upstream = None
+    if not a.no_upstream:
+        b = subprocess.run(["bash", str(Path(__file__).parent / "build-upstream.sh")], capture_output=True, text=True)
+        upstream = b.stdout.strip().splitlines()[-1] if b.returncode == 0 and b.stdout.strip() else None
+        res["upstream"] = (f"llama-speculative-simple --spec-type draft-dflash --spec-draft-n-max {UPSTREAM_N} "
+                           "--rpc ... -ngl 99 -devd none (its drafter local), 1 thread, after ours per delay"
+                           if upstream else f"not run: bench/build-upstream.sh failed: {b.stderr.strip()[-200:]}")
     servers = [rpc.RPCServer(n_threads=1, binary=binary) for _ in range(2)]
     echo = _echo_server()
     spec = {f"{i}/{d}": [s.port, d] for i, s in enumerate(servers) for d in delays}
@@ -381,7 +443,7 @@ def main() -> int:
         res["targets"] = {}
         for name, (target, drafter) in targets.items():
             res["targets"][name] = run_target(name, Path(target), Path(drafter), endpoints, delays,
-                                              PROMPTS[:a.prompts], a.tokens)
+                                              PROMPTS[:a.prompts], a.tokens, upstream)
     finally:
         proxy.stdin.close()
         proxy.kill()

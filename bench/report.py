@@ -1170,33 +1170,57 @@ def rpc() -> list[str]:
            + ", ".join(f"{k} → {v:.2f} ms" for k, v in r["measured_rtt_ms"].items())
            + f"; direct {r['direct_rtt_ms']:.3f} ms); the drafter local. Plain decoding (the target alone: no "
            f"drafter, no capture) and adaptive speculation (the default), greedy, {r['prompts']} prompts × "
-           f"{r['tokens']} tokens, interleaved prompt by prompt on two models per delay; tok/s of decoding. "
-           "The cost model's verify costs are measured "
+           f"{r['tokens']} tokens, interleaved prompt by prompt on two models per delay, the speculative one "
+           "also with the guards' read-ahead off (docs/architecture.md §14: without it every tensor read after "
+           "a decode, the logits and each tapped layer's rows, waits for a round trip of its own); tok/s of "
+           "decoding; speed-ups against plain decoding. The cost model's verify costs are measured "
            "over the split at load, so they include the round trips: predicted / measured is its draft + verify "
-           f"time against the steps' measured one. Upstream's loop: {r['upstream']}.", ""]
+           "time against the steps' measured one. Round trips waited: the requests whose answer came from a "
+           f"server, per plain token and per speculative step (both servers). Upstream's loop: {r['upstream']}.", ""]
     for name, t in r["targets"].items():
         rows = t["delays"]
         first = next(iter(rows.values()))
         out += [f"**{name}** (drafter `{t['drafter']}`; exact mode over the split: {first['exact'] or 'off'})", "",
-                "| added round trip ms | plain tok/s | adaptive tok/s | speedup | tau | plain steps | identical | "
-                "predicted / measured | cost model t(1) / t(8) ms | RPC requests: plain token / adaptive step |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| added round trip ms | plain tok/s | adaptive tok/s (speedup) | without read-ahead | "
+                "upstream's loop | tau | plain steps | identical | predicted / measured | cost model t(1) / t(8) ms | "
+                "round trips waited: plain token / step / step without read-ahead |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def upstream(u: dict | None) -> str:
+            if not u:
+                return "–"
+            if "error" in u:
+                return "failed"
+            return f"{u['tok_s']:.1f} ({u['speedup']:.2f}×, τ {u['tau']})"
+
         for d, x in rows.items():
             tv = x["cost_t_verify_ms"]
-            out.append(f"| {d} | {x['plain_tok_s']:.1f} | {x['adaptive_tok_s']:.1f} | {x['speedup']:.2f} | "
+            nra = (f"{x['no_read_ahead_tok_s']:.1f} ({x['no_read_ahead_speedup']:.2f}×)"
+                   if "no_read_ahead_tok_s" in x else "–")
+            waited = (f"{x['rpc_waited_per_plain_token']} / {x['rpc_waited_per_adaptive_step']} / "
+                      f"{x['rpc_waited_per_step_no_read_ahead']}" if "rpc_waited_per_plain_token" in x else "–")
+            out.append(f"| {d} | {x['plain_tok_s']:.1f} | {x['adaptive_tok_s']:.1f} ({x['speedup']:.2f}×) | {nra} | "
+                       f"{upstream(x.get('upstream'))} | "
                        f"{x['tau'] if x['tau'] is not None else '–'} | {x['plain_steps']} | {x['identical']} | "
-                       f"{x['predicted_over_measured']} | {tv.get('1', '–')} / {tv.get('8', '–')} | "
-                       f"{x['rpc_requests_per_plain_token']} / {x.get('rpc_requests_per_adaptive_step', '–')} |")
+                       f"{x['predicted_over_measured']} | {tv.get('1', '–')} / {tv.get('8', '–')} | {waited} |")
+        fails = {u["error"] for x in rows.values() if (u := x.get("upstream")) and "error" in u}
+        if fails:
+            out += ["", "Upstream's loop failed: " + "; ".join(sorted(fails))]
         ds = sorted(rows, key=float)
+        rtt = r.get("measured_rtt_ms", {})
         if len(ds) > 1 and float(ds[-1]) > float(ds[0]):
-            lo, hi, span = rows[ds[0]], rows[ds[-1]], float(ds[-1]) - float(ds[0])
-            t1 = [x["cost_t_verify_ms"].get("1") for x in (lo, hi)]
+            lo, hi = rows[ds[0]], rows[ds[-1]]
+            span = (rtt[ds[-1]] - rtt[ds[0]]) if ds[0] in rtt and ds[-1] in rtt else float(ds[-1]) - float(ds[0])
             plain_slope = (hi["plain_ms_per_token"] - lo["plain_ms_per_token"]) / span
-            out += ["", f"Round trips waited for (ms added per ms of round trip, {ds[0]} → {ds[-1]}): a plain token "
-                    f"{plain_slope:.1f}"
-                    + (", a one-row step of the speculative model (the cost model's t(1); its capture reads the "
-                       "tapped layers' rows from the servers, requests that wait for their answer) "
-                       f"{(t1[1] - t1[0]) / span:.1f}" if None not in t1 else "") + "."]
+
+            def step_ms(x: dict) -> float | None:  # a speculative step's measured time: tau tokens a step
+                return 1e3 * x["tau"] / x["adaptive_tok_s"] if x.get("tau") else None
+
+            st = [step_ms(x) for x in (lo, hi)]
+            out += ["", f"Time added per ms of measured round trip ({ds[0]} → {ds[-1]} ms added): a plain token "
+                    f"{plain_slope:.1f} ms"
+                    + (f", a speculative step {(st[1] - st[0]) / span:.1f} ms (tau ÷ adaptive tok/s)"
+                       if None not in st else "") + "."]
         shapes = [(d, x["decode_by_shape"]) for d, x in rows.items() if x.get("decode_by_shape")]
         if shapes:
             out += ["", "`llama_decode` of the target alone over the split, median ms (1 and 8 rows, each repeated, "

@@ -601,8 +601,14 @@ int64_t dflash_rpc_guard_failures(dflash_rpc_guard * g, char * err, size_t err_l
 int64_t dflash_rpc_guard_alloc_failures(const dflash_rpc_guard * g);
 /* connections the guard is forwarding now (a model loaded over it; its server serves one client at a time) */
 int32_t dflash_rpc_guard_connections(const dflash_rpc_guard * g);
-/* requests forwarded, bytes to the server, bytes from it (3 values) */
+/* the client's requests, bytes to the server, bytes from it, GETs answered from read-ahead, GETs read
+ * ahead and dropped, the client's requests that have an answer (6 values; the client waited a round
+ * trip for each of those not answered from read-ahead) */
 void    dflash_rpc_guard_traffic(const dflash_rpc_guard * g, int64_t * out);
+/* Read-ahead (on by default): after the first GET_TENSOR of a run the guard has seen before, the
+ * rest of that run is requested at once, so the reads after a decode wait on one round trip instead
+ * of one each; an answer is used only for the identical request with nothing sent between. */
+void    dflash_rpc_guard_read_ahead(dflash_rpc_guard * g, bool on);
 /* Connect + handshake only: 0 and the server's protocol version (3 ints), or -1 with a message. */
 int32_t dflash_rpc_probe(const char * host, int32_t port, double timeout_s, int32_t * version, char * err,
                          size_t err_len);

@@ -10,6 +10,17 @@
 // count after each decode and discards what that decode produced (docs/architecture.md §14).
 // A new connection (a model loaded again) reaches the server afresh.
 //
+// Read-ahead: ggml-rpc's client sends one request at a time and waits for its answer, so the
+// tensors llama.cpp reads after a decode (the logits, the tapped layers' rows) cost one round trip
+// each.  The guard remembers, per connection, which GET_TENSORs followed the first one of a run (a
+// run: GETs with no other command between) and, when that first GET comes again, sends the rest
+// right behind it.  A request read ahead is answered only if the client then asks for exactly it
+// (the same bytes) before any other command; anything else first drains the answers read ahead.
+// The server runs one connection's commands in order, so such an answer is the one the server
+// would have given at the client's request: nothing ran on it between.  What is remembered is
+// dropped when a buffer is freed (a GET into a freed buffer would make the server close the
+// connection); wrong guesses cost only bytes.
+//
 // The framing is that of the pinned llama.cpp's ggml-rpc (protocol RPC_PROTO_MAJOR_VERSION):
 //   request:  | cmd (1 byte) | size (8 bytes) | payload (size bytes) |
 //   response: | size (8 bytes) | payload (size bytes) |   (only the commands listed below)
@@ -49,6 +60,10 @@ enum {
 #define RPC_TENSOR_SIZE (8 + 4 + 8 + 4 * GGML_MAX_DIMS * 2 + 4 + GGML_MAX_OP_PARAMS + 4 + 8 * GGML_MAX_SRC + 8 * 3 + \
                          GGML_MAX_NAME + 4)
 #define SMALL 4096                 // requests up to this size are read whole (inspected); larger are streamed
+#define GET_REQ_SIZE (RPC_TENSOR_SIZE + 16)  // rpc_msg_get_tensor_req: tensor, offset, size
+#define RA_RUN 32                  // GETs of one run read ahead at most
+#define RA_RUNS 16                 // runs remembered per connection
+#define RA_BYTES (64ull << 20)     // answer bytes one run reads ahead at most
 
 // Response size of a command (-1: none); GET_TENSOR's is in its request.
 static int64_t response_size(int cmd, const uint8_t * req, uint64_t req_size) {
@@ -80,7 +95,10 @@ struct dflash_rpc_guard {
     atomic_int n_conns;             // connection threads alive
     atomic_llong failures;
     atomic_llong alloc_failures;    // ALLOC_BUFFER answered "no memory" by the server itself
-    atomic_llong bytes_up, bytes_down, requests;  // forwarded to / from the server
+    atomic_llong bytes_up, bytes_down, requests;  // to / from the server; the client's requests
+    atomic_llong answers;                         // the client's requests that have an answer
+    atomic_llong ahead_used, ahead_wasted;        // GETs read ahead: answered from them / drained
+    atomic_bool read_ahead;
     pthread_mutex_t mu;
     char error[512];                // the last failure
     // the server's last real answers to its static queries, per device (replayed when it is gone,
@@ -277,11 +295,137 @@ static bool send_zeros(int fd, uint64_t n) {
     return true;
 }
 
+// One remembered run: the GETs that followed its first one (key).
+struct ra_run {
+    bool used;
+    int n;
+    uint8_t key[GET_REQ_SIZE];
+    uint8_t reqs[RA_RUN][GET_REQ_SIZE];
+};
+
+struct read_ahead {
+    struct ra_run runs[RA_RUNS];
+    int next;                      // the slot a new run replaces (round robin)
+    bool in_run;
+    struct ra_run cur;             // the run being recorded
+    int n_ahead, i_ahead;          // requests sent ahead; the next one whose answer is unread
+    uint8_t ahead[RA_RUN][GET_REQ_SIZE];
+};
+
+static uint64_t get_size(const uint8_t * req) {
+    uint64_t n;
+    memcpy(&n, req + RPC_TENSOR_SIZE + 8, 8);
+    return n;
+}
+
+static struct ra_run * ra_find(struct read_ahead * ra, const uint8_t * key) {
+    for (int i = 0; i < RA_RUNS; i++) {
+        if (ra->runs[i].used && memcmp(ra->runs[i].key, key, GET_REQ_SIZE) == 0) return &ra->runs[i];
+    }
+    return NULL;
+}
+
+// The run being recorded has ended: remember it (a first GET nothing followed: forget it).
+static void ra_end_run(struct read_ahead * ra) {
+    if (!ra->in_run) return;
+    ra->in_run = false;
+    struct ra_run * r = ra_find(ra, ra->cur.key);
+    if (ra->cur.n == 0) {
+        if (r) r->used = false;
+        return;
+    }
+    if (!r) {
+        r = &ra->runs[ra->next];
+        ra->next = (ra->next + 1) % RA_RUNS;
+    }
+    r->used = true;
+    r->n = ra->cur.n;
+    memcpy(r->key, ra->cur.key, GET_REQ_SIZE);
+    memcpy(r->reqs, ra->cur.reqs, (size_t) ra->cur.n * GET_REQ_SIZE);
+}
+
+// Records a GET of the client's; returns the run to read ahead when it starts a remembered one.
+static const struct ra_run * ra_note_get(struct read_ahead * ra, const uint8_t * req) {
+    if (ra->in_run) {
+        if (ra->cur.n < RA_RUN) memcpy(ra->cur.reqs[ra->cur.n++], req, GET_REQ_SIZE);
+        return NULL;
+    }
+    ra->in_run = true;
+    ra->cur.n = 0;
+    memcpy(ra->cur.key, req, GET_REQ_SIZE);
+    return ra_find(ra, req);
+}
+
+static void lose(struct dflash_rpc_guard * g, int * up, const char * what) {
+    fail(g, atomic_load(&g->stop) ? "was closed" : what);
+    close(*up);
+    *up = -1;
+}
+
+// Relays the server's answer of `want` bytes (a request already sent) to the client; a server
+// lost on the way is counted and the answer completed with zeros.  false: the client is gone.
+static bool relay(struct dflash_rpc_guard * g, int * up, int client, uint64_t want) {
+    uint64_t got = 0;
+    if (*up >= 0 && read_full(*up, &got, 8, g->timeout_s, &g->stop)) {
+        atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
+        if (!write_full(client, &got, 8, 30.0)) return false;
+        bool client_ok = true;
+        const uint64_t done = pump(*up, client, got, g->timeout_s, &g->stop, &client_ok);
+        if (!client_ok) return false;
+        if (done < got) {
+            // cut mid-response: the rest as zeros, so the client reads a whole message
+            lose(g, up, "disconnected or stopped answering mid-response");
+            return send_zeros(client, got - done);
+        }
+        return true;
+    }
+    if (*up >= 0) lose(g, up, "disconnected or stopped answering");
+    return write_full(client, &want, 8, 30.0) && send_zeros(client, want);
+}
+
+// Reads and drops the answers still due for requests sent ahead.
+static void ra_drain(struct dflash_rpc_guard * g, struct read_ahead * ra, int * up) {
+    for (; ra->i_ahead < ra->n_ahead && *up >= 0; ra->i_ahead++) {
+        uint64_t got = 0;
+        bool ok = true;
+        if (!read_full(*up, &got, 8, g->timeout_s, &g->stop) || pump(*up, -1, got, g->timeout_s, &g->stop, &ok) < got) {
+            lose(g, up, "disconnected or stopped answering");
+            break;
+        }
+        atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
+        atomic_fetch_add(&g->ahead_wasted, 1);
+    }
+    ra->n_ahead = ra->i_ahead = 0;
+}
+
+// Sends the rest of a remembered run right behind its first GET (already sent).
+static void ra_send(struct dflash_rpc_guard * g, struct read_ahead * ra, int * up, const struct ra_run * r) {
+    uint64_t bytes = 0;
+    int n = 0;
+    while (n < r->n && bytes + get_size(r->reqs[n]) <= RA_BYTES) bytes += get_size(r->reqs[n++]);
+    uint8_t msg[9 + GET_REQ_SIZE] = { CMD_GET_TENSOR };
+    const uint64_t size = GET_REQ_SIZE;
+    memcpy(msg + 1, &size, 8);
+    for (int i = 0; i < n; i++) {
+        memcpy(msg + 9, r->reqs[i], GET_REQ_SIZE);
+        if (!write_full(*up, msg, sizeof(msg), g->timeout_s)) {
+            lose(g, up, "disconnected");
+            ra->n_ahead = ra->i_ahead = 0;
+            return;
+        }
+        memcpy(ra->ahead[i], r->reqs[i], GET_REQ_SIZE);
+        atomic_fetch_add(&g->bytes_up, (long long) sizeof(msg));
+    }
+    ra->n_ahead = n;
+    ra->i_ahead = 0;
+}
+
 static void * conn_main(void * arg) {
     struct conn * c = arg;
     struct dflash_rpc_guard * g = c->g;
     const int client = c->client;
     free(c);
+    struct read_ahead * ra = calloc(1, sizeof(*ra));
     char err[256];
     int up = connect_to(g->host, g->port, g->timeout_s, err, sizeof(err));
     if (up < 0) fail(g, "is unreachable");
@@ -294,6 +438,20 @@ static void * conn_main(void * arg) {
         if (!read_full(client, &cmd, 1, -1, &g->stop) || !read_full(client, &size, 8, 30.0, &g->stop)) break;
         const bool whole = size <= SMALL;
         if (whole && !read_full(client, small, size, 30.0, &g->stop)) break;
+        atomic_fetch_add(&g->requests, 1);
+        const bool is_get = cmd == CMD_GET_TENSOR && size == GET_REQ_SIZE;
+        if (ra && ra->i_ahead < ra->n_ahead) {
+            if (is_get && memcmp(small, ra->ahead[ra->i_ahead], GET_REQ_SIZE) == 0) {
+                // asked for exactly what was read ahead, nothing between: its answer is due next
+                ra->i_ahead++;
+                atomic_fetch_add(&g->ahead_used, 1);
+                atomic_fetch_add(&g->answers, 1);
+                ra_note_get(ra, small);
+                if (!relay(g, &up, client, get_size(small))) break;
+                continue;
+            }
+            ra_drain(g, ra, &up);
+        }
         if (cmd == CMD_HELLO && whole && size >= CAPS_SIZE) memset(small, 0, CAPS_SIZE);  // no transport upgrade
         bool up_ok = up >= 0;
         if (up_ok) {
@@ -302,62 +460,53 @@ static void * conn_main(void * arg) {
             up_ok = write_full(up, hdr, 9, g->timeout_s) && (!whole || write_full(up, small, size, g->timeout_s));
         }
         if (!whole && pump(client, up_ok ? up : -1, size, 30.0, &g->stop, &up_ok) < size) break;
-        atomic_fetch_add(&g->requests, 1);
         if (up_ok) atomic_fetch_add(&g->bytes_up, (long long) (9 + size));
         if (!up_ok && up >= 0) {
             fail(g, "disconnected");
             close(up);
             up = -1;
         }
+        if (ra) {
+            if (is_get) {
+                const struct ra_run * r = ra_note_get(ra, small);
+                if (r && up >= 0 && atomic_load(&g->read_ahead)) ra_send(g, ra, &up, r);
+            } else {
+                ra_end_run(ra);
+                if (cmd == CMD_FREE_BUFFER) memset(ra->runs, 0, sizeof(ra->runs));
+            }
+        }
         const int64_t want = response_size(cmd, whole ? small : NULL, size);
         if (want < 0) continue;
-        uint64_t got = 0;
-        if (up >= 0 && read_full(up, &got, 8, g->timeout_s, &g->stop)) {
-            atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
-            if (!write_full(client, &got, 8, 30.0)) break;
-            if (cmd == CMD_HELLO || cmd == CMD_ALLOC_BUFFER || is_static(cmd)) {
-                // small fixed answers, inspected: no transport upgrade; allocations the server refused;
-                // the static queries' answers kept
-                uint8_t rsp[HELLO_RSP_SIZE > 16 ? HELLO_RSP_SIZE : 16];
-                if (got <= sizeof(rsp) && read_full(up, rsp, got, g->timeout_s, &g->stop)) {
-                    if (cmd == CMD_HELLO && got == HELLO_RSP_SIZE) memset(rsp + 4, 0, CAPS_SIZE);
-                    uint64_t ptr = 1;
-                    if (cmd == CMD_ALLOC_BUFFER && got == 16) memcpy(&ptr, rsp, 8);
-                    if (ptr == 0) atomic_fetch_add(&g->alloc_failures, 1);
-                    const uint32_t dev = device_of(cmd, small, size);
-                    if (is_static(cmd) && dev < 16 && got <= 16) {
-                        pthread_mutex_lock(&g->mu);
-                        memcpy(g->statics[cmd][dev], rsp, got);
-                        g->have_static[cmd][dev] = true;
-                        pthread_mutex_unlock(&g->mu);
-                    }
-                    if (!write_full(client, rsp, got, 30.0)) break;
-                    continue;
-                }
-                if (got > sizeof(rsp)) break;  // not ggml-rpc's framing: drop the client
-                fail(g, atomic_load(&g->stop) ? "was closed" : "disconnected or stopped answering");
-                close(up);
-                up = -1;
-                if (!send_zeros(client, got)) break;
-                continue;
-            }
-            bool client_ok = true;
-            const uint64_t done = pump(up, client, got, g->timeout_s, &g->stop, &client_ok);
-            if (!client_ok) break;
-            if (done < got) {
-                // cut mid-response: the rest as zeros, so the client reads a whole message
-                fail(g, atomic_load(&g->stop) ? "was closed" : "disconnected or stopped answering mid-response");
-                close(up);
-                up = -1;
-                if (!send_zeros(client, got - done)) break;
-            }
+        atomic_fetch_add(&g->answers, 1);
+        if (cmd != CMD_HELLO && cmd != CMD_ALLOC_BUFFER && !is_static(cmd)) {
+            if (!relay(g, &up, client, (uint64_t) want)) break;
             continue;
         }
-        if (up >= 0) {
-            fail(g, atomic_load(&g->stop) ? "was closed" : "disconnected or stopped answering");
-            close(up);
-            up = -1;
+        // small fixed answers, inspected: no transport upgrade; allocations the server refused; the
+        // static queries' answers kept (replayed when the server is gone, so that a model loaded
+        // meanwhile fails at its allocations, cleanly, not on a zero alignment)
+        uint64_t got = 0;
+        uint8_t rsp[HELLO_RSP_SIZE > 16 ? HELLO_RSP_SIZE : 16];
+        if (up >= 0 && read_full(up, &got, 8, g->timeout_s, &g->stop)) {
+            if (got > sizeof(rsp)) break;  // not ggml-rpc's framing: drop the client
+            atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
+            if (read_full(up, rsp, got, g->timeout_s, &g->stop)) {
+                if (cmd == CMD_HELLO && got == HELLO_RSP_SIZE) memset(rsp + 4, 0, CAPS_SIZE);
+                uint64_t ptr = 1;
+                if (cmd == CMD_ALLOC_BUFFER && got == 16) memcpy(&ptr, rsp, 8);
+                if (ptr == 0) atomic_fetch_add(&g->alloc_failures, 1);
+                const uint32_t dev = device_of(cmd, small, size);
+                if (is_static(cmd) && dev < 16 && got <= 16) {
+                    pthread_mutex_lock(&g->mu);
+                    memcpy(g->statics[cmd][dev], rsp, got);
+                    g->have_static[cmd][dev] = true;
+                    pthread_mutex_unlock(&g->mu);
+                }
+                if (!write_full(client, &got, 8, 30.0) || !write_full(client, rsp, got, 30.0)) break;
+                continue;
+            }
         }
+        if (up >= 0) lose(g, &up, "disconnected or stopped answering");
         // the server is gone: a well-formed empty answer (HELLO: the server's last handshake)
         const uint64_t n = (uint64_t) want;
         if (!write_full(client, &n, 8, 30.0)) break;
@@ -365,7 +514,6 @@ static void * conn_main(void * arg) {
         if (cmd == CMD_HELLO) {
             if (!write_full(client, g->hello, HELLO_RSP_SIZE, 30.0)) break;
         } else if (is_static(cmd) && dev < 16 && n <= 16 && g->have_static[cmd][dev]) {
-            uint8_t rsp[16];
             pthread_mutex_lock(&g->mu);
             memcpy(rsp, g->statics[cmd][dev], n);
             pthread_mutex_unlock(&g->mu);
@@ -376,6 +524,7 @@ static void * conn_main(void * arg) {
     }
     if (up >= 0) close(up);
     close(client);
+    free(ra);
     atomic_fetch_sub(&g->n_conns, 1);
     return NULL;
 }
@@ -419,6 +568,7 @@ dflash_rpc_guard * dflash_rpc_guard_new(const char * host, int32_t port, double 
     g->port = port;
     g->timeout_s = timeout_s;
     memcpy(g->hello, rsp, sizeof(rsp));
+    atomic_store(&g->read_ahead, true);
     pthread_mutex_init(&g->mu, NULL);
     g->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in a = { 0 };
@@ -475,7 +625,12 @@ void dflash_rpc_guard_traffic(const dflash_rpc_guard * g, int64_t * out) {
     out[0] = atomic_load(&g->requests);
     out[1] = atomic_load(&g->bytes_up);
     out[2] = atomic_load(&g->bytes_down);
+    out[3] = atomic_load(&g->ahead_used);
+    out[4] = atomic_load(&g->ahead_wasted);
+    out[5] = atomic_load(&g->answers);
 }
+
+void dflash_rpc_guard_read_ahead(dflash_rpc_guard * g, bool on) { atomic_store(&g->read_ahead, on); }
 
 // ---------------------------------------------------------------------------
 // registration

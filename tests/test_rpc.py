@@ -156,7 +156,8 @@ def test_tiny_target_split_over_two_servers(artifacts, servers, name):
 def test_smollm2_split_over_two_servers(servers):
     """SmolLM2 Q4_0 with flash attention: the servers' CPU kernels (no repacked weights there) are
     then batch-invariant on short contexts, so the outputs are equal token for token (without it, a
-    divergence at a 0.06 margin was seen: verify batches round apart from one-token decodes)."""
+    divergence at a 0.06 margin was seen: verify batches round apart from one-token decodes), with
+    the guards reading the tapped rows ahead."""
     from llama_dflash.api.models import default_target, shipped_drafter
 
     res = run_child("identity", {"endpoints": ",".join(s.endpoint for s in servers), "target": str(default_target()),
@@ -167,6 +168,8 @@ def test_smollm2_split_over_two_servers(servers):
     assert res["plain"] == res["spec"]
     assert min(res["taus"]) > 1.0  # the trained drafter is accepted over RPC too
     assert all(t["bytes_up"] > 10_000_000 for t in res["traffic"]), res["traffic"]
+    # the tapped rows after each step came through the guards' read-ahead (equal output above)
+    assert all(t["read_ahead_used"] > 0 for t in res["traffic"]), res["traffic"]
 
 
 def test_server_killed_mid_stream_then_back(artifacts, servers):

@@ -94,9 +94,11 @@ class _Guard:
         return int(lib.dflash_rpc_guard_alloc_failures(self.handle))
 
     def traffic(self) -> dict:
-        v = ffi.new("int64_t[3]")
+        v = ffi.new("int64_t[6]")
         lib.dflash_rpc_guard_traffic(self.handle, v)
-        return {"requests": int(v[0]), "bytes_up": int(v[1]), "bytes_down": int(v[2])}
+        return {"requests": int(v[0]), "bytes_up": int(v[1]), "bytes_down": int(v[2]),
+                "read_ahead_used": int(v[3]), "read_ahead_dropped": int(v[4]),
+                "waited": int(v[5]) - int(v[3])}
 
 
 _guards: dict[tuple[str, int], _Guard] = {}
@@ -144,8 +146,16 @@ class Cluster:
         return sum(g.failures()[0] for g in self.guards)
 
     def traffic(self) -> list[dict]:
-        """Per server: requests forwarded and bytes sent to / received from it so far."""
+        """Per server so far: the client's requests, bytes sent to / received from it, the tensor
+        reads answered from the guard's read-ahead / read ahead in vain, and the requests whose
+        answer came from the server (each a round trip the client waited for)."""
         return [g.traffic() for g in self.guards]
+
+    def read_ahead(self, on: bool) -> None:
+        """Switch the guards' read-ahead (on by default; ``csrc/dflash_rpc.c``) for these servers, for
+        every model of the process that uses them (A/B runs)."""
+        for g in self.guards:
+            lib.dflash_rpc_guard_read_ahead(g.handle, bool(on))
 
     def lost(self) -> str | None:
         """The last loss since the last ``mark()`` (a one-line message), or None."""
