@@ -313,6 +313,7 @@ struct dflash_kernel_stats {
     int64_t attention;         /* attentions (FLASH_ATTN_EXT) computed */
     int64_t attention_rows;    /* query rows in them (tokens) */
     int64_t rowwise;           /* row-wise ops between products (norms, norm weights, residual adds) */
+    int64_t ggml_ops;          /* ggml-cpu's ops run inside the kernels' splits (RoPE, KV writes, SwiGLU) */
 };
 void    dflash_kernels_get_stats(struct dflash_kernel_stats * out);
 /* y [n][ncol] = x [n][k] . W^T for W (ncol rows of k values) of ggml type `type` in its standard

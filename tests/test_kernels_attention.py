@@ -228,7 +228,8 @@ def _verify_batch_logits(model, flash_attn: int) -> list:
             before = kernels.stats()
             out.append(exact._decode(ctx, toks[40:], 40, n_vocab, False))
             after = kernels.stats()
-            out.append((after.attention - before.attention, after.rowwise - before.rowwise))
+            out.append((after.attention - before.attention, after.rowwise - before.rowwise,
+                        after.ggml_ops - before.ggml_ops))
         finally:
             llama_cpp.llama_free(ctx)
     return out
@@ -237,16 +238,19 @@ def _verify_batch_logits(model, flash_attn: int) -> list:
 def test_package_contexts_compute_what_ggml_computes(tmp_path):
     """What a package context hands the kernels beyond the products, on a target whose f32 matrices
     stay with ggml: the row-wise ops between products (norms, norm weights, residual adds) round as
-    ggml-cpu's, bit for bit; the attention computes ggml's to rounding (ggml sums in f16)."""
+    ggml-cpu's, bit for bit, and so do RoPE, the KV writes and SwiGLU, which ggml-cpu computes inside
+    the kernels' split; the attention computes ggml's to rounding (ggml sums in f16)."""
     spec = TargetSpec(n_layer=3, seed=4)
     model = _native.load_model(write_target(str(tmp_path / "f32.gguf"), spec), llama_cpp.llama_model_default_params())
     try:
         ours, taken, ggml, untaken = _verify_batch_logits(model, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        # a layer's two norms, two norm weights, two residual adds; the output norm and its weight
-        assert taken == (0, 6 * spec.n_layer + 2) and untaken == (0, 0), (taken, untaken)
+        # row-wise: a layer's two norms, two norm weights, two residual adds, the output norm and its
+        # weight; ggml-cpu's inside the split: a layer's two RoPEs, two KV writes, its SwiGLU
+        assert taken == (0, 6 * spec.n_layer + 2, 5 * spec.n_layer) and untaken == (0, 0, 0), (taken, untaken)
         assert np.array_equal(ours, ggml), np.abs(ours - ggml).max()
         ours, taken, ggml, untaken = _verify_batch_logits(model, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED)
-        assert taken == (spec.n_layer, 6 * spec.n_layer + 2) and untaken == (0, 0), (taken, untaken)
+        assert taken == (spec.n_layer, 6 * spec.n_layer + 2, 5 * spec.n_layer) and untaken == (0, 0, 0), \
+            (taken, untaken)
         assert not np.array_equal(ours, ggml)
         np.testing.assert_allclose(ours, ggml, atol=5e-3 * np.abs(ggml).max())
     finally:

@@ -39,7 +39,8 @@
 
 static const struct dfk_isa * g_isa;
 static atomic_bool g_enabled = true;
-static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id, g_attn, g_attn_rows, g_rowwise;
+static atomic_llong g_products, g_rows, g_by_rows[DFK_MAX_ROWS + 1], g_products_id, g_attn, g_attn_rows, g_rowwise,
+    g_ggml_ops;
 static char g_status[160] = "not registered";
 
 /* a product of fewer weight values stays on one thread: too small to be worth waking another */
@@ -56,6 +57,11 @@ struct kctx {
     float * attn;  /* attention: every thread's scratch */
     size_t attn_size;
     bool takes_attn, all_rows;  /* which device it answers as (dflash_kernels_backend_set) */
+    /* the ggml-cpu ops run inside this backend's splits (is_cpu_op): a ggml-cpu backend of its own
+     * and a graph to hand them to it */
+    ggml_backend_t cpu;
+    struct ggml_context * gctx;
+    struct ggml_cgraph * graph;
 };
 
 static enum dfk_wtype wtype_of(enum ggml_type t, bool * ok) {
@@ -191,11 +197,33 @@ static void rowwise(const struct ggml_tensor * op) {
     }
 }
 
+/* The other ops of a layer between the products and the attention (RoPE, the KV cache writes, the
+ * gated activation): no kernels of ours, but run inside this backend's split by ggml-cpu's own code
+ * (cpu_run), single-threaded for a few rows, so their values are what ggml-cpu's split would give
+ * (these ops compute each row alone, whatever the threads) and a layer is one split instead of three:
+ * each split is a graph_compute of ggml-cpu's with an OpenMP team of its own. */
+static bool is_cpu_op(enum ggml_op op) { return op == GGML_OP_ROPE || op == GGML_OP_SET_ROWS || op == GGML_OP_GLU; }
+
+/* the values an op computes (a KV write: the rows written, not the cache it writes into) */
+static int64_t op_work(const struct ggml_tensor * op) {
+    return ggml_nelements(op->op == GGML_OP_SET_ROWS ? op->src[1] : op);
+}
+
+static bool takes_cpu_op(const struct ggml_tensor * op) {
+    const struct ggml_tensor * rows = op->op == GGML_OP_SET_ROWS ? op->src[1] : op;
+    const int dims = ggml_n_dims(rows);  /* tokens: the outermost dimension */
+    if (!rows || (dims >= 2 ? rows->ne[dims - 1] : 1) > DFK_MAX_ROWS) return false;
+    static ggml_backend_dev_t cpu;
+    if (!cpu) cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return cpu && ggml_backend_dev_supports_op(cpu, op);
+}
+
 /* The ops this backend takes; the scheduler asks with the weight's buffer set.  all: at any row count. */
 static bool takes(const struct ggml_tensor * op, bool all) {
     if (!g_isa || !atomic_load(&g_enabled)) return false;
     if (op->op == GGML_OP_FLASH_ATTN_EXT) return takes_attn(op, all);
     if (is_rowwise(op->op)) return takes_rowwise(op, all);
+    if (is_cpu_op(op->op)) return takes_cpu_op(op);
     if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) return false;
     const struct ggml_tensor * w = op->src[0], * x = op->src[1];
     if (x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) return false;
@@ -383,6 +411,8 @@ static const char * be_name(ggml_backend_t b) { return "DFLASH"; }
 
 static void be_free(ggml_backend_t b) {
     struct kctx * c = (struct kctx *) b->context;
+    if (c->cpu) ggml_backend_free(c->cpu);
+    if (c->gctx) ggml_free(c->gctx);
     free(c->act);
     free(c->src);
     free(c->y);
@@ -503,23 +533,54 @@ static struct dfk_attn attn_of(const struct ggml_tensor * op) {
     return a;
 }
 
+#define CPU_RUN_MAX 64           /* ggml-cpu ops handed over at once at most */
+#define CPU_RUN_THREADS (1 << 15) /* values from which they get the context's threads */
+
+/* consecutive ggml-cpu ops (is_cpu_op), in graph order, by ggml-cpu */
+static enum ggml_status cpu_run(struct kctx * c, struct ggml_tensor ** nodes, int n) {
+    if (!c->cpu) {
+        struct ggml_init_params ip = { ggml_graph_overhead_custom(CPU_RUN_MAX, false), NULL, true };
+        c->cpu = ggml_backend_cpu_init();
+        c->gctx = c->cpu ? ggml_init(ip) : NULL;
+        c->graph = c->gctx ? ggml_new_graph_custom(c->gctx, CPU_RUN_MAX, false) : NULL;
+        if (!c->graph) return GGML_STATUS_ALLOC_FAILED;
+    }
+    ggml_graph_clear(c->graph);
+    int64_t work = 0;
+    for (int i = 0; i < n; i++) {
+        ggml_graph_add_node(c->graph, nodes[i]);
+        work += op_work(nodes[i]);
+    }
+    ggml_backend_cpu_set_n_threads(c->cpu, work >= CPU_RUN_THREADS ? c->n_threads : 1);
+    atomic_fetch_add(&g_ggml_ops, n);
+    return ggml_backend_graph_compute(c->cpu, c->graph);
+}
+
 static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
     struct kctx * c = (struct kctx *) b->context;
     struct ggml_tensor * pending[RUN_MAX];  /* the run so far */
-    int m = 0;
+    struct ggml_tensor * cpu_ops[CPU_RUN_MAX];  /* ggml-cpu's ops so far */
+    int m = 0, mc = 0;
     enum ggml_status st = GGML_STATUS_SUCCESS;
     for (int i = 0; i < ggml_graph_n_nodes(g) && st == GGML_STATUS_SUCCESS; i++) {
         struct ggml_tensor * node = ggml_graph_node(g, i);
         if (is_view(node->op)) continue;
-        const bool attn = node->op == GGML_OP_FLASH_ATTN_EXT, row = is_rowwise(node->op);
-        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID && !attn && !row) return GGML_STATUS_FAILED;
+        const bool attn = node->op == GGML_OP_FLASH_ATTN_EXT, row = is_rowwise(node->op), cop = is_cpu_op(node->op);
+        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID && !attn && !row && !cop)
+            return GGML_STATUS_FAILED;
+        if (mc > 0 && (!cop || mc == CPU_RUN_MAX)) {
+            st = cpu_run(c, cpu_ops, mc);
+            mc = 0;
+            if (st != GGML_STATUS_SUCCESS) break;
+        }
         const bool runs = node->op == GGML_OP_MUL_MAT && !is_router(node->src[0]);
         if (m > 0 && (!runs || m == RUN_MAX || made_by(node->src[1], pending, m))) {  /* the run so far first */
             st = mul_mat_run(c, pending, m);
             m = 0;
         }
         if (st != GGML_STATUS_SUCCESS) break;
-        if (runs) pending[m++] = node;
+        if (cop) cpu_ops[mc++] = node;
+        else if (runs) pending[m++] = node;
         else if (row) {
             rowwise(node);
             atomic_fetch_add(&g_rowwise, 1);
@@ -532,6 +593,7 @@ static enum ggml_status be_compute(ggml_backend_t b, struct ggml_cgraph * g) {
         } else st = node->op == GGML_OP_MUL_MAT ? mul_router(node) : mul_mat_id(c, node);
     }
     if (st == GGML_STATUS_SUCCESS && m > 0) st = mul_mat_run(c, pending, m);
+    if (st == GGML_STATUS_SUCCESS && mc > 0) st = cpu_run(c, cpu_ops, mc);
     return st;
 }
 
@@ -587,7 +649,8 @@ static ggml_backend_buffer_type_t dev_buft(ggml_backend_dev_t d) { return ggml_b
 
 /* views are left where the scheduler puts them (taking one would split the graph for nothing) */
 static bool dev_supports_op(ggml_backend_dev_t d, const struct ggml_tensor * op) {
-    return !is_view(op->op) && op->op != GGML_OP_FLASH_ATTN_EXT && !is_rowwise(op->op) && takes(op, false);
+    return !is_view(op->op) && op->op != GGML_OP_FLASH_ATTN_EXT && !is_rowwise(op->op) && !is_cpu_op(op->op) &&
+           takes(op, false);
 }
 static bool dev_supports_op_attn(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, false); }
 static bool dev_supports_op_all(ggml_backend_dev_t d, const struct ggml_tensor * op) { return !is_view(op->op) && takes(op, true); }
@@ -707,6 +770,7 @@ void dflash_kernels_get_stats(struct dflash_kernel_stats * out) {
     out->attention = atomic_load(&g_attn);
     out->attention_rows = atomic_load(&g_attn_rows);
     out->rowwise = atomic_load(&g_rowwise);
+    out->ggml_ops = atomic_load(&g_ggml_ops);
 }
 
 int32_t dflash_kernels_mul(const char * isa_name, int32_t type, const void * w, int64_t k, int64_t ncol, const float * x,

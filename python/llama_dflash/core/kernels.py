@@ -33,6 +33,7 @@ class KernelStats:
     attention: int = 0       # attentions (FLASH_ATTN_EXT) computed
     attention_rows: int = 0  # query rows (tokens) in them
     rowwise: int = 0         # row-wise ops between products (norms, norm weights, residual adds)
+    ggml_ops: int = 0        # ggml-cpu's ops run inside the kernels' splits (RoPE, KV writes, SwiGLU)
 
     @property
     def isa(self) -> str:
@@ -70,7 +71,7 @@ def stats() -> KernelStats:
         status = f"kernels off ({ENV}=0)"
     return KernelStats(bool(s.registered), bool(s.enabled), status, int(s.products), int(s.rows),
                        {n: int(s.by_rows[n]) for n in range(1, 17) if s.by_rows[n]}, int(s.attention),
-                       int(s.attention_rows), int(s.rowwise))
+                       int(s.attention_rows), int(s.rowwise), int(s.ggml_ops))
 
 
 def describe() -> str:
