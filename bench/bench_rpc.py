@@ -248,7 +248,11 @@ def run_upstream(binary: str, target: Path, drafter: Path, endpoints: str, promp
             n, secs, drafted, accepted, steps = n + k, secs + t, drafted + st.drafted, accepted + st.accepted, \
                 steps + st.steps
     except (RuntimeError, OSError) as e:
-        return {"error": " ".join(str(e).split())[-300:]}
+        import re
+
+        msg = " ".join(str(e).split())
+        m = re.search(r"[\w./-]+\.(?:cpp|c):\d+: (.+?)(?: \d+ \.\./|$)", msg)  # ggml's abort line
+        return {"error": (m.group(1) if m else msg)[-300:]}
     return {"tok_s": round(n / secs, 2), "tau": round((accepted + steps) / steps, 2) if steps else None,
             "n_draft": UPSTREAM_N}
 
@@ -357,7 +361,7 @@ def plot(res: dict, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 5))
     for name, r in res["targets"].items():
         xs = [float(d) for d in r["delays"]]
         rows = list(r["delays"].values())
@@ -367,18 +371,21 @@ def plot(res: dict, path: Path) -> bool:
         if all("no_read_ahead_speedup" in x for x in rows):
             ax2.plot(xs, [x["no_read_ahead_speedup"] for x in rows], "x:", color=line.get_color(),
                      label=f"{name}: without the guard's read-ahead")
+        if all("speedup" in (x.get("upstream") or {}) for x in rows):
+            ax2.plot(xs, [x["upstream"]["speedup"] for x in rows], "s-.", color=line.get_color(), alpha=0.6,
+                     label=f"{name}: upstream's loop")
     ax1.set_xlabel("added round trip per RPC request (ms)")
     ax1.set_ylabel("decode tok/s")
     ax1.set_title("Target split over two rpc-servers")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7)
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_xlabel("added round trip per RPC request (ms)")
     ax2.set_ylabel("adaptive / plain")
     ax2.set_title("Speedup of speculation over RPC")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.text(0.01, 0.01, f"{res['date']}, {res['cpu']}, load {res['load'][0]:.1f}", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     return True
 
 
@@ -411,6 +418,11 @@ def main() -> int:
     if "gemma" in names:
         g = pypi_target("gemma-3-270m")
         targets["gemma-3-270m-q4_k_m"] = (g, gemma_drafter(g))
+    upstream, upstream_why = None, "--no-upstream"
+    if not a.no_upstream:  # (built in the user's cache, before the cache folder changes below)
+        b = subprocess.run(["bash", str(Path(__file__).parent / "build-upstream.sh")], capture_output=True, text=True)
+        upstream = b.stdout.strip().splitlines()[-1] if b.returncode == 0 and b.stdout.strip() else None
+        upstream_why = None if upstream else f"bench/build-upstream.sh failed: {b.stderr.strip()[-200:]}"
     # a fresh cache folder: every delay's cost model and exact-mode verdict measured anew (the proxies'
     # ports are new each run), the user's cache untouched
     os.environ["LLAMA_DFLASH_CACHE"] = tempfile.mkdtemp(prefix="bench-rpc-")
@@ -418,13 +430,11 @@ def main() -> int:
            "cpu": cpu_model(), "load": os.getloadavg(), "threads": {"client": 1, "each_server": 1},
            "servers": 2, "prompts": a.prompts, "tokens": a.tokens,
            "upstream": None}
-    upstream = None
-    if not a.no_upstream:
-        b = subprocess.run(["bash", str(Path(__file__).parent / "build-upstream.sh")], capture_output=True, text=True)
-        upstream = b.stdout.strip().splitlines()[-1] if b.returncode == 0 and b.stdout.strip() else None
+    if upstream_why is None:
         res["upstream"] = (f"llama-speculative-simple --spec-type draft-dflash --spec-draft-n-max {UPSTREAM_N} "
-                           "--rpc ... -ngl 99 -devd none (its drafter local), 1 thread, after ours per delay"
-                           if upstream else f"not run: bench/build-upstream.sh failed: {b.stderr.strip()[-200:]}")
+                           "--rpc ... -ngl 99 -devd none (its drafter local), 1 thread, after ours per delay")
+    else:
+        res["upstream"] = f"not run: {upstream_why}"
     servers = [rpc.RPCServer(n_threads=1, binary=binary) for _ in range(2)]
     echo = _echo_server()
     spec = {f"{i}/{d}": [s.port, d] for i, s in enumerate(servers) for d in delays}

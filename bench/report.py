@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -1203,9 +1204,11 @@ def rpc() -> list[str]:
                        f"{upstream(x.get('upstream'))} | "
                        f"{x['tau'] if x['tau'] is not None else '–'} | {x['plain_steps']} | {x['identical']} | "
                        f"{x['predicted_over_measured']} | {tv.get('1', '–')} / {tv.get('8', '–')} | {waited} |")
-        fails = {u["error"] for x in rows.values() if (u := x.get("upstream")) and "error" in u}
+        fails = {re.sub(r"\[[\d.:]+\]", "", m.group(1) if (m := re.search(r"\.(?:cpp|c):\d+: (.+?)(?: \d+ \.\./|$)",
+                                                                                 u["error"])) else u["error"])
+                 for x in rows.values() if (u := x.get("upstream")) and "error" in u}
         if fails:
-            out += ["", "Upstream's loop failed: " + "; ".join(sorted(fails))]
+            out += ["", "Upstream's loop aborted (its drafter local, `-devd none`): " + "; ".join(sorted(fails))]
         ds = sorted(rows, key=float)
         rtt = r.get("measured_rtt_ms", {})
         if len(ds) > 1 and float(ds[-1]) > float(ds[0]):
