@@ -112,6 +112,12 @@ enum dflash_load_flags {
 dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target,
                                      int32_t n_ctx, int32_t n_threads, uint32_t flags,
                                      char * err, size_t err_len);
+/* The same, with the drafter's weights, cache and graph on `device` (a ggml_backend_dev_t: an RPC
+ * server's, for a target split over RPC), the CPU taking what that device cannot run; NULL: where
+ * dflash_drafter_load puts it (the device of a target head on a GPU, else the CPU). */
+dflash_drafter * dflash_drafter_load_on(const char * path, const struct llama_model * target,
+                                        int32_t n_ctx, int32_t n_threads, uint32_t flags, void * device,
+                                        char * err, size_t err_len);
 void dflash_drafter_free(dflash_drafter * d);
 /* Read and validate a drafter file as the loader does, without loading its weights: every
  * key, tensor name, shape and type, and with a target (optional: may be NULL; a model loaded

@@ -28,7 +28,8 @@ def generator(a: dict, rpc: bool = True) -> SpeculativeGenerator:
         return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1, n_gpu_layers=0)
     return SpeculativeGenerator(a["target"], a.get("drafter"), n_ctx=512, n_threads=1,
                                 n_gpu_layers=a["n_gpu_layers"], flash_attn=a.get("flash_attn"),
-                                rpc_servers=a["endpoints"], rpc_timeout_s=a.get("timeout_s", 60))
+                                rpc_servers=a["endpoints"], rpc_timeout_s=a.get("timeout_s", 60),
+                                rpc_drafter=a.get("rpc_drafter"))
 
 
 def identity(a: dict) -> dict:
@@ -40,7 +41,10 @@ def identity(a: dict) -> dict:
         for p in a["prompts"]:
             toks = g.tokenize(p)
             plain = g.generate(toks, a["n_tokens"], draft_len=0, stop_on_eos=False, return_margins=True)
+            before = [t["requests"] for t in cluster.traffic()]
             spec = g.generate(toks, a["n_tokens"], draft_len=a["draft_len"], speculation="on", stop_on_eos=False)
+            res["spec_requests"] = [t["requests"] - b for t, b in zip(cluster.traffic(), before, strict=True)]
+            res["spec_steps"] = spec.stats.steps
             res["plain"].append(plain.tokens)
             res["margins"].append(plain.margins)
             res["spec"].append(spec.tokens)

@@ -172,6 +172,24 @@ def test_smollm2_split_over_two_servers(servers):
     assert all(t["read_ahead_used"] > 0 for t in res["traffic"]), res["traffic"]
 
 
+def test_drafter_on_a_server(servers):
+    """rpc_drafter: the drafter, its cache and its graph on the second server; the same greedy output
+    as plain decoding, the trained drafter still accepted, and every draft a request more there."""
+    from llama_dflash.api.models import default_target, shipped_drafter
+
+    res = run_child("identity", {"endpoints": ",".join(s.endpoint for s in servers), "target": str(default_target()),
+                                 "drafter": str(shipped_drafter()), "n_gpu_layers": 99,
+                                 "rpc_drafter": servers[1].endpoint,
+                                 "prompts": ["<|im_start|>user\nWrite a Python function that reverses a string."
+                                             "<|im_end|>\n<|im_start|>assistant\n"],
+                                 "n_tokens": 48, "draft_len": 5, "flash_attn": True})
+    assert res["plain"] == res["spec"]
+    assert min(res["taus"]) > 1.0
+    assert res["drafter_memory"]["repacked"] == 0  # (no CPU repacking: its weights are on the server)
+    first, second = res["spec_requests"]
+    assert second >= first + res["spec_steps"], res  # each draft: its graph and its results on server 2
+
+
 def test_server_killed_mid_stream_then_back(artifacts, servers):
     """SIGKILL one server mid-stream: the stream stops with one RPCError line (no abort, no hang)
     and hands out no token of the failed steps; once the server is back, the next request (the model

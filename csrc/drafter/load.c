@@ -675,8 +675,12 @@ static bool init_backends(struct dflash_drafter * d, const struct llama_model * 
     struct ggml_tensor * t_head = d->w.head && !d->own_head ? d->w.head : target_tensor(target, "output.weight", false);
     if (!t_head) t_head = target_tensor(target, "token_embd.weight", false);
     // a target split over RPC servers: the drafter and its cache stay here (the documented
-    // upstream workaround), with a local copy of a head the servers hold
-    if (on_rpc_device(t_head)) t_head = NULL;
+    // upstream workaround), with a local copy of a head the servers hold, unless asked elsewhere
+    if (on_rpc_device(t_head) || d->device) t_head = NULL;
+    if (d->device) {
+        main_be = ggml_backend_dev_init(d->device, NULL);
+        if (!main_be) FAIL("cannot start the drafter's device %s", ggml_backend_dev_name(d->device));
+    }
     if (t_head && t_head->buffer) {
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t_head->buffer));
         if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
@@ -864,6 +868,11 @@ void dflash_drafter_free(dflash_drafter * d) {
 
 dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model * target, int32_t n_ctx,
                                      int32_t n_threads, uint32_t flags, char * err, size_t err_len) {
+    return dflash_drafter_load_on(path, target, n_ctx, n_threads, flags, NULL, err, err_len);
+}
+
+dflash_drafter * dflash_drafter_load_on(const char * path, const struct llama_model * target, int32_t n_ctx,
+                                        int32_t n_threads, uint32_t flags, void * device, char * err, size_t err_len) {
     if (!path || !target) {
         dflash_seterr(err, err_len, "drafter path and target model are required");
         return NULL;
@@ -877,7 +886,10 @@ dflash_drafter * dflash_drafter_load(const char * path, const struct llama_model
     struct drafter_file f = { 0 };
     bool ok = d && ft;
     if (!ok) dflash_seterr(err, err_len, "out of memory loading a drafter");
-    if (d) d->flags = flags;
+    if (d) {
+        d->flags = flags;
+        d->device = device;
+    }
     ok = ok && file_open(&f, &d->hp, path, err, err_len) && validate_target(&d->hp, f.g, target, path, err, err_len) &&
          find_tensors(&d->hp, f.g, f.meta, ft, path, err, err_len);
     if (ok) {

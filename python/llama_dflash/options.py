@@ -100,6 +100,13 @@ def _endpoints(name: str, v: Any) -> str | None:
     return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in parse_endpoints(v, name))
 
 
+def _endpoint(name: str, v: Any) -> str | None:
+    one = _endpoints(name, v)
+    if one is not None and len(parse_endpoints(v, name)) != 1:
+        raise ValueError(f"{name} must be one endpoint \"host:port\", got {v!r}")
+    return one
+
+
 def _flag(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{name} must be True or False, got {v!r}")
@@ -153,6 +160,11 @@ class SpecOptions:
               "llama.cpp splits layers over GPUs; the drafter and its cache stay local; a server lost "
               "mid-generation is an RPCError and the next request reloads; None: all local",
         Optional[str], _endpoints)
+
+    rpc_drafter: str | None = _opt(
+        None, "one of rpc_servers, \"host:port\": the drafter, its cache and its graph go to that server "
+              "instead of staying local (a client too slow to draft; each draft then waits on a round trip "
+              "more); None: local", Optional[str], _endpoint)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -156,10 +156,19 @@ def _endpoints(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).replace("rpc_servers", "--rpc", 1)) from None
 
 
+def _endpoint(text: str) -> str:
+    try:
+        return options.check("rpc_drafter", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("rpc_drafter", "--rpc-drafter", 1)) from None
+
+
 def _add_rpc(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT]", type=_endpoints, default=None,
                    help="split the target over these llama.cpp rpc-servers (scripts/setup.sh --rpc builds "
-                        "rpc-server); the drafter stays local")
+                        "rpc-server); the drafter stays local unless --rpc-drafter")
+    p.add_argument("--rpc-drafter", metavar="HOST:PORT", type=_endpoint, default=None,
+                   help=options.doc("rpc_drafter"))
     p.add_argument("--n-gpu-layers", type=_int(-1), default=None,
                    help="the target's layers offloaded (with --rpc: to the servers; default there: all)")
 
@@ -180,7 +189,9 @@ def _speculates(model: str, drafter: str | None) -> None:
 def _placement(a: argparse.Namespace) -> dict:
     """The generator's rpc_servers and n_gpu_layers from --rpc / --n-gpu-layers."""
     n = a.n_gpu_layers if a.n_gpu_layers is not None else (-1 if a.rpc else 0)
-    return {"rpc_servers": a.rpc, "n_gpu_layers": n}
+    if a.rpc_drafter is not None and a.rpc is None:
+        raise DFlashError("--rpc-drafter needs --rpc (the drafter goes to one of those servers)")
+    return {"rpc_servers": a.rpc, "n_gpu_layers": n, "rpc_drafter": a.rpc_drafter}
 
 
 def _add_exact(p: argparse.ArgumentParser, exact_help: str = EXACT_HELP) -> None:

@@ -196,7 +196,11 @@ class Llama(llama_cpp.Llama):
                 _log.warning("llama-dflash: parallel=%d over rpc servers: one request at a time", opts.parallel)
                 opts = dataclasses.replace(opts, parallel=1)
             cluster = rpc.Cluster(opts.rpc_servers)
+            if opts.rpc_drafter is not None:
+                cluster.device(opts.rpc_drafter)  # (one of the servers, or a one-line error now)
             self.__dict__["_init_args"] = init_args
+        elif opts.rpc_drafter is not None:
+            raise ValueError("rpc_drafter needs rpc_servers (the drafter goes to one of them)")
         self.__dict__["_cluster"] = cluster  # read by the model_params setter, during the base's init
         _logger.set_verbose(kwargs.get("verbose", True))  # (as the base class does first: exact mode's probes load)
         # (without a drafter or concurrent requests every decode is llama-cpp-python's own: "auto" leaves it
@@ -378,17 +382,25 @@ class Llama(llama_cpp.Llama):
                                 n_batch=pending["n_batch"], n_threads=pending["n_threads"] or self.n_threads,
                                 exact=self.__dict__["_load"], model_path=self.model_path,
                                 placement=self._placement(), draft_n_max=self.__dict__["_options"].draft_n_max,
-                                healthy=self._placement_holds)
+                                healthy=self._placement_holds, drafter_device=self._drafter_device())
         if self._core.unavailable is not None and pending["drafter_path"] is not None:
             warnings.warn(f"llama-dflash: not speculating: {self._core.unavailable}", stacklevel=4)
         self._core.prepare_context(self.context_params)
 
     def _placement(self) -> str:
-        """Where the target runs (what its cost model and exact-mode verdict are kept for)."""
+        """Where the target (and the drafter) run: what its cost model and exact-mode verdict are kept for."""
         g = self.model_params.n_gpu_layers
         where = f"n_gpu_layers={g}" if g else "cpu"
         cluster = self.__dict__.get("_cluster")
-        return where if cluster is None else f"rpc={','.join(cluster.endpoints)};{where}"
+        if cluster is None:
+            return where
+        drafter = self.__dict__["_options"].rpc_drafter
+        return f"rpc={','.join(cluster.endpoints)};{where}" + (f";drafter={drafter}" if drafter else "")
+
+    def _drafter_device(self) -> int | None:
+        """The rpc server's device the drafter goes to (rpc_drafter), or None: local."""
+        cluster, where = self.__dict__.get("_cluster"), self.__dict__["_options"].rpc_drafter
+        return cluster.device(where) if cluster is not None and where is not None else None
 
     def _placement_holds(self) -> bool:
         """No rpc server lost (what was measured over them meanwhile is worth keeping)."""

@@ -20,16 +20,19 @@ class Drafter(_native.Resource):
     """
 
     def __init__(self, path: str | os.PathLike, model, n_ctx: int, n_threads: int | None = None, *,
-                 generic_conv: bool = False, gathered_as_stored: bool = False) -> None:
+                 generic_conv: bool = False, gathered_as_stored: bool = False, device: int | None = None) -> None:
         """generic_conv, gathered_as_stored: the same numbers by another route (``enum
-        dflash_load_flags``), for tests that compare the two."""
+        dflash_load_flags``), for tests that compare the two.  device: a ``ggml_backend_dev_t`` (an
+        RPC server's: ``rpc.Cluster.device``) to hold the drafter, its cache and its graph; None:
+        the CPU, or the GPU holding the target's head."""
         self._d = None
         path_b = check_file(path, "drafter")
         err = _native.err_buf()
         flags = (lib.DFLASH_LOAD_GENERIC_CONV if generic_conv else 0) | (
             lib.DFLASH_LOAD_GATHERED_AS_STORED if gathered_as_stored else 0)
-        d = lib.dflash_drafter_load(path_b, _native.ptr("struct llama_model *", model), n_ctx,
-                                    n_threads or _native.default_threads(), flags, err, _native.ERR_LEN)
+        d = lib.dflash_drafter_load_on(path_b, _native.ptr("struct llama_model *", model), n_ctx,
+                                       n_threads or _native.default_threads(), flags,
+                                       ffi.cast("void *", device or 0), err, _native.ERR_LEN)
         if d == ffi.NULL:
             raise DFlashError(_native.err_str(err))
         self._d = d

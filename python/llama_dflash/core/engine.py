@@ -191,7 +191,8 @@ class EngineCore(_native.Resource):
                  n_threads: int | None = None, capture: str = "auto",
                  capture_layers: Sequence[int] | None = None, exact: exact_mode.LoadSettings | None = None,
                  model_path: str | os.PathLike | None = None, placement: str = "cpu",
-                 draft_n_max: int | None = None, healthy: Callable[[], bool] | None = None) -> None:
+                 draft_n_max: int | None = None, healthy: Callable[[], bool] | None = None,
+                 drafter_device: int | None = None) -> None:
         self._drafter = self._capture = self._engine = None
         # adaptive drafting's cost model: kept per target, drafter, threads, placement and mode
         self._costs_ready = False
@@ -225,7 +226,7 @@ class EngineCore(_native.Resource):
         self.n_rs_seq: int | None = 0 if has_recurrent_state(model) else None
         taps = list(capture_layers or [])
         if drafter_path is not None:
-            self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads)
+            self._drafter = Drafter(drafter_path, model, n_ctx, self._n_threads, device=drafter_device)
             self.drafter_info = self._drafter.info
             taps = list(self.drafter_info.target_layers)
             if self.unavailable is not None:

@@ -51,10 +51,11 @@ class SpeculativeGenerator(_native.Resource):
     mode instead, the reason in every ``stats.exact``).
 
     ``rpc_servers="host:port,host:port"`` splits the target over llama.cpp ``rpc-server``s
-    (``core.rpc``): ``n_gpu_layers`` of its layers (-1: all) go to them, the drafter stays local.  A
-    server lost mid-generation raises ``rpc.RPCError`` (one line) before any token of the failed step
-    is handed out; the next call loads the model again (once the server is back).  rpc_timeout_s: how
-    long a server may stay silent before it counts as lost.
+    (``core.rpc``): ``n_gpu_layers`` of its layers (-1: all) go to them, the drafter stays local
+    (``rpc_drafter="host:port"``, one of them: the drafter goes to that server).  A server lost
+    mid-generation raises ``rpc.RPCError`` (one line) before any token of the failed step is handed
+    out; the next call loads the model again (once the server is back).  rpc_timeout_s: how long a
+    server may stay silent before it counts as lost.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class SpeculativeGenerator(_native.Resource):
         exact: bool | str = False,
         rpc_servers: str | Sequence[str] | None = None,
         rpc_timeout_s: float = rpc.DEFAULT_TIMEOUT_S,
+        rpc_drafter: str | None = None,
         verbose: bool | None = False,
     ) -> None:
         self._model = self._ctx = self._core = self._cluster = None
@@ -80,6 +82,9 @@ class SpeculativeGenerator(_native.Resource):
         if n_ctx < 1 or n_batch < 1:
             raise ValueError("n_ctx and n_batch must be positive")
         rpc_servers = options.check("rpc_servers", rpc_servers)
+        rpc_drafter = options.check("rpc_drafter", rpc_drafter)
+        if rpc_drafter is not None and rpc_servers is None:
+            raise ValueError("rpc_drafter needs rpc_servers (the drafter goes to one of them)")
         if rpc_servers is not None and not n_gpu_layers:
             raise ValueError("rpc_servers needs n_gpu_layers > 0 (-1: every layer): it sets how many of the "
                              "target's layers go to the servers")
@@ -97,15 +102,20 @@ class SpeculativeGenerator(_native.Resource):
         if rpc_servers is not None:
             self._cluster = rpc.Cluster(rpc_servers, timeout_s=rpc_timeout_s)
         placement = f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu"
+        drafter_device = None
         if self._cluster is not None:
             placement = f"rpc={','.join(self._cluster.endpoints)};{placement}"
+            if rpc_drafter is not None:
+                drafter_device = self._cluster.device(rpc_drafter)
+                placement += f";drafter={rpc_drafter}"
         self.placement = placement
         self._load_args = dict(model_path=model_path, drafter_path=drafter_path, n_batch=n_batch,
                                n_gpu_layers=n_gpu_layers, capture=capture, capture_layers=capture_layers,
-                               load=load)
+                               load=load, drafter_device=drafter_device)
         self._load(**self._load_args)
 
-    def _load(self, model_path, drafter_path, n_batch, n_gpu_layers, capture, capture_layers, load) -> None:
+    def _load(self, model_path, drafter_path, n_batch, n_gpu_layers, capture, capture_layers, load,
+              drafter_device) -> None:
         """Load the target (over the rpc servers, if any), the engine core and the context."""
         cluster = self._cluster
         if cluster is not None:
@@ -128,7 +138,8 @@ class SpeculativeGenerator(_native.Resource):
             self._core = EngineCore(self._model, drafter_path, n_ctx=n_ctx, n_batch=n_batch,
                                     n_threads=self.n_threads, capture=capture, capture_layers=capture_layers,
                                     exact=load, model_path=model_path, placement=self.placement,
-                                    healthy=(lambda: cluster.lost() is None) if cluster is not None else None)
+                                    healthy=(lambda: cluster.lost() is None) if cluster is not None else None,
+                                    drafter_device=drafter_device)
         except BaseException:
             self.close()
             raise

@@ -137,6 +137,15 @@ class Cluster:
         self._mark = self.failures()
         self._alloc_mark = sum(g.alloc_failures() for g in self.guards)
 
+    def device(self, endpoint: str) -> int:
+        """The (first) device of one of these servers, ``host:port`` as given: where a drafter can be
+        put (``rpc_drafter``).  ValueError with one line if it is not one of them."""
+        want = options.check("rpc_drafter", endpoint)
+        for ep, g in zip(self.endpoints, self.guards, strict=True):
+            if options.check("rpc_drafter", ep) == want:
+                return g.devices[0]
+        raise ValueError(f"rpc_drafter {endpoint!r} is not one of the rpc servers ({', '.join(self.endpoints)})")
+
     def apply(self, model_params) -> None:
         """Point a ``llama_model_params`` at these servers' devices only (NULL-terminated list).
         ``n_gpu_layers`` decides how many layers go to them."""
