@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from llama_dflash import Llama
 from llama_dflash.core import rpc
 
 HERE = os.path.dirname(__file__)
@@ -188,6 +189,25 @@ def test_drafter_on_a_server(servers):
     assert res["drafter_memory"]["repacked"] == 0  # (no CPU repacking: its weights are on the server)
     first, second = res["spec_requests"]
     assert second >= first + res["spec_steps"], res  # each draft: its graph and its results on server 2
+
+
+@pytest.mark.parametrize("servers_arg,drafter_arg,words", [
+    (None, "127.0.0.1:5", "needs rpc_servers"),
+    ("127.0.0.1:5,127.0.0.1:6", "127.0.0.1:7", "is not one of the rpc servers"),
+    ("127.0.0.1:5", "127.0.0.1:5,127.0.0.1:6", "must be one endpoint"),
+])
+def test_rpc_drafter_must_name_one_of_the_servers(servers_arg, drafter_arg, words):
+    """Checked before any server is reached (no registration in this process): one line."""
+    from llama_dflash.api.models import default_target, shipped_drafter
+    from llama_dflash.core.generator import SpeculativeGenerator
+
+    for make in (lambda: SpeculativeGenerator(default_target(), shipped_drafter(), n_gpu_layers=-1,
+                                              rpc_servers=servers_arg, rpc_drafter=drafter_arg),
+                 lambda: Llama(str(default_target()), draft_model_path=str(shipped_drafter()), n_gpu_layers=99,
+                               rpc_servers=servers_arg, rpc_drafter=drafter_arg, verbose=False)):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_server_killed_mid_stream_then_back(artifacts, servers):

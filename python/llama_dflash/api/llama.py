@@ -188,6 +188,7 @@ class Llama(llama_cpp.Llama):
         if opts.kernels is not None:
             _kernels.set_enabled(opts.kernels)
         cluster = None
+        rpc.drafter_server(opts.rpc_servers, opts.rpc_drafter)  # (a one-line error before any server is reached)
         if opts.rpc_servers is not None:  # the target split over llama.cpp rpc-servers (core/rpc.py)
             if not kwargs.get("n_gpu_layers"):
                 raise ValueError("rpc_servers needs n_gpu_layers > 0 (-1: every layer): it sets how many of the "
@@ -196,11 +197,7 @@ class Llama(llama_cpp.Llama):
                 _log.warning("llama-dflash: parallel=%d over rpc servers: one request at a time", opts.parallel)
                 opts = dataclasses.replace(opts, parallel=1)
             cluster = rpc.Cluster(opts.rpc_servers)
-            if opts.rpc_drafter is not None:
-                cluster.device(opts.rpc_drafter)  # (one of the servers, or a one-line error now)
             self.__dict__["_init_args"] = init_args
-        elif opts.rpc_drafter is not None:
-            raise ValueError("rpc_drafter needs rpc_servers (the drafter goes to one of them)")
         self.__dict__["_cluster"] = cluster  # read by the model_params setter, during the base's init
         _logger.set_verbose(kwargs.get("verbose", True))  # (as the base class does first: exact mode's probes load)
         # (without a drafter or concurrent requests every decode is llama-cpp-python's own: "auto" leaves it

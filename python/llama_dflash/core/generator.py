@@ -83,8 +83,7 @@ class SpeculativeGenerator(_native.Resource):
             raise ValueError("n_ctx and n_batch must be positive")
         rpc_servers = options.check("rpc_servers", rpc_servers)
         rpc_drafter = options.check("rpc_drafter", rpc_drafter)
-        if rpc_drafter is not None and rpc_servers is None:
-            raise ValueError("rpc_drafter needs rpc_servers (the drafter goes to one of them)")
+        rpc.drafter_server(rpc_servers, rpc_drafter)  # (a one-line error before any server is reached)
         if rpc_servers is not None and not n_gpu_layers:
             raise ValueError("rpc_servers needs n_gpu_layers > 0 (-1: every layer): it sets how many of the "
                              "target's layers go to the servers")

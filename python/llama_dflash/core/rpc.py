@@ -55,6 +55,20 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
     return options.parse_endpoints(spec)
 
 
+def drafter_server(rpc_servers: str | Sequence[str] | None, rpc_drafter: str | None) -> int | None:
+    """Which of rpc_servers the rpc_drafter option names (its index), None for none; ValueError with
+    one line when it names another endpoint or there are no servers."""
+    if rpc_drafter is None:
+        return None
+    if rpc_servers is None:
+        raise ValueError("rpc_drafter needs rpc_servers (the drafter goes to one of them)")
+    want = options.check("rpc_drafter", rpc_drafter)
+    eps = [options.check("rpc_drafter", f"{h}:{p}") for h, p in parse_endpoints(rpc_servers)]
+    if want not in eps:
+        raise ValueError(f"rpc_drafter {rpc_drafter!r} is not one of the rpc servers ({', '.join(eps)})")
+    return eps.index(want)
+
+
 def probe(host: str, port: int, timeout_s: float = 10.0) -> tuple[int, int, int]:
     """Connect and handshake only: the server's RPC protocol version; RPCError with one line."""
     v = ffi.new("int32_t[3]")
@@ -140,11 +154,7 @@ class Cluster:
     def device(self, endpoint: str) -> int:
         """The (first) device of one of these servers, ``host:port`` as given: where a drafter can be
         put (``rpc_drafter``).  ValueError with one line if it is not one of them."""
-        want = options.check("rpc_drafter", endpoint)
-        for ep, g in zip(self.endpoints, self.guards, strict=True):
-            if options.check("rpc_drafter", ep) == want:
-                return g.devices[0]
-        raise ValueError(f"rpc_drafter {endpoint!r} is not one of the rpc servers ({', '.join(self.endpoints)})")
+        return self.guards[drafter_server(self.endpoints, endpoint)].devices[0]
 
     def apply(self, model_params) -> None:
         """Point a ``llama_model_params`` at these servers' devices only (NULL-terminated list).
