@@ -712,7 +712,12 @@ faster at 13:27: SmolLM2 t(1) 4.8–6.7 ms, t(4)/t(1) 1.16–1.53, t(8)/t(1) 1.8
 alternates with ggml's context and is the comparable measurement. With the row-wise ops taken too
 (commit 2831cbf), `llama-dflash demo` at 14:17 (four runs, load 0.4 before): 1.34×, 1.31×, 1.51×,
 1.45× (mean 1.40×), plain 137–156 tok/s, speculative 200–207 tok/s, ceiling 2.10–2.12×,
-bit-identical every time.
+bit-identical every time. With RoPE, the KV writes and SwiGLU inside our split too (commit c4f5326;
+a fast hour, 15:51–15:58, load 0.6): four runs 1.20×, 1.26×, 1.28×, 1.23× (plain 180 tok/s,
+speculative 221 tok/s, ceiling 1.87×), then interleaved with the commit before it: 1.19× / 1.17× /
+1.44× against 1.13× / 1.29× / 1.33× (plain 166–196 and 173–184 tok/s), bit-identical every time: a
+faster one-token decode (memory-bound) raises t(k)/t(1), so the policy drafts shorter (verified
+lengths mostly 0–1) and the ceiling falls (1.88× against 2.03× at the older commit's costs).
 """
 
 

@@ -17,9 +17,10 @@
 // right behind it.  A request read ahead is answered only if the client then asks for exactly it
 // (the same bytes) before any other command; anything else first drains the answers read ahead.
 // The server runs one connection's commands in order, so such an answer is the one the server
-// would have given at the client's request: nothing ran on it between.  What is remembered is
-// dropped when a buffer is freed (a GET into a freed buffer would make the server close the
-// connection); wrong guesses cost only bytes.
+// would have given at the client's request: nothing ran on it between (an rpc-server serves one
+// client at a time, each with buffers of its own).  What is remembered is dropped when a buffer is
+// freed (a GET into a freed buffer makes the server drop the connection, or, where the address was
+// reused by a smaller buffer, abort); wrong guesses then cost only bytes.
 //
 // The framing is that of the pinned llama.cpp's ggml-rpc (protocol RPC_PROTO_MAJOR_VERSION):
 //   request:  | cmd (1 byte) | size (8 bytes) | payload (size bytes) |
@@ -61,6 +62,7 @@ enum {
                          GGML_MAX_NAME + 4)
 #define SMALL 4096                 // requests up to this size are read whole (inspected); larger are streamed
 #define GET_REQ_SIZE (RPC_TENSOR_SIZE + 16)  // rpc_msg_get_tensor_req: tensor, offset, size
+_Static_assert(GET_REQ_SIZE == 312, "rpc_msg_get_tensor_req of the pinned ggml-rpc (protocol 7) is 312 bytes");
 #define RA_RUN 32                  // GETs of one run read ahead at most
 #define RA_RUNS 16                 // runs remembered per connection
 #define RA_BYTES (64ull << 20)     // answer bytes one run reads ahead at most
@@ -367,10 +369,10 @@ static void lose(struct dflash_rpc_guard * g, int * up, const char * what) {
 static bool relay(struct dflash_rpc_guard * g, int * up, int client, uint64_t want) {
     uint64_t got = 0;
     if (*up >= 0 && read_full(*up, &got, 8, g->timeout_s, &g->stop)) {
-        atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
         if (!write_full(client, &got, 8, 30.0)) return false;
         bool client_ok = true;
         const uint64_t done = pump(*up, client, got, g->timeout_s, &g->stop, &client_ok);
+        atomic_fetch_add(&g->bytes_down, (long long) (8 + done));
         if (!client_ok) return false;
         if (done < got) {
             // cut mid-response: the rest as zeros, so the client reads a whole message
@@ -383,39 +385,56 @@ static bool relay(struct dflash_rpc_guard * g, int * up, int client, uint64_t wa
     return write_full(client, &want, 8, 30.0) && send_zeros(client, want);
 }
 
+// Forgets the requests sent ahead whose answers are still due (counted as read ahead in vain).
+static void ra_forget(struct dflash_rpc_guard * g, struct read_ahead * ra) {
+    if (ra->n_ahead > ra->i_ahead) atomic_fetch_add(&g->ahead_wasted, ra->n_ahead - ra->i_ahead);
+    ra->n_ahead = ra->i_ahead = 0;
+}
+
 // Reads and drops the answers still due for requests sent ahead.
 static void ra_drain(struct dflash_rpc_guard * g, struct read_ahead * ra, int * up) {
     for (; ra->i_ahead < ra->n_ahead && *up >= 0; ra->i_ahead++) {
         uint64_t got = 0;
         bool ok = true;
-        if (!read_full(*up, &got, 8, g->timeout_s, &g->stop) || pump(*up, -1, got, g->timeout_s, &g->stop, &ok) < got) {
+        if (!read_full(*up, &got, 8, g->timeout_s, &g->stop)) {
             lose(g, up, "disconnected or stopped answering");
             break;
         }
-        atomic_fetch_add(&g->bytes_down, (long long) (8 + got));
+        const uint64_t done = pump(*up, -1, got, g->timeout_s, &g->stop, &ok);
+        atomic_fetch_add(&g->bytes_down, (long long) (8 + done));
+        if (done < got) {
+            lose(g, up, "disconnected or stopped answering");
+            break;
+        }
         atomic_fetch_add(&g->ahead_wasted, 1);
     }
-    ra->n_ahead = ra->i_ahead = 0;
+    ra_forget(g, ra);
 }
 
 // Sends the rest of a remembered run right behind its first GET (already sent).
+// (At most RA_RUN requests of GET_REQ_SIZE + 9 bytes, ~10 KB, in one write: they fit the socket's
+// buffers while the server may be busy sending the first GET's answer, so this write cannot wait
+// on the guard reading that answer.)
 static void ra_send(struct dflash_rpc_guard * g, struct read_ahead * ra, int * up, const struct ra_run * r) {
+    static const size_t one = 9 + GET_REQ_SIZE;
+    uint8_t msg[RA_RUN * (9 + GET_REQ_SIZE)];
     uint64_t bytes = 0;
     int n = 0;
-    while (n < r->n && bytes + get_size(r->reqs[n]) <= RA_BYTES) bytes += get_size(r->reqs[n++]);
-    uint8_t msg[9 + GET_REQ_SIZE] = { CMD_GET_TENSOR };
-    const uint64_t size = GET_REQ_SIZE;
-    memcpy(msg + 1, &size, 8);
-    for (int i = 0; i < n; i++) {
-        memcpy(msg + 9, r->reqs[i], GET_REQ_SIZE);
-        if (!write_full(*up, msg, sizeof(msg), g->timeout_s)) {
-            lose(g, up, "disconnected");
-            ra->n_ahead = ra->i_ahead = 0;
-            return;
-        }
-        memcpy(ra->ahead[i], r->reqs[i], GET_REQ_SIZE);
-        atomic_fetch_add(&g->bytes_up, (long long) sizeof(msg));
+    for (; n < r->n && get_size(r->reqs[n]) <= RA_BYTES - bytes; n++) {
+        bytes += get_size(r->reqs[n]);
+        uint8_t * m = msg + (size_t) n * one;
+        const uint64_t size = GET_REQ_SIZE;
+        m[0] = CMD_GET_TENSOR;
+        memcpy(m + 1, &size, 8);
+        memcpy(m + 9, r->reqs[n], GET_REQ_SIZE);
+        memcpy(ra->ahead[n], r->reqs[n], GET_REQ_SIZE);
     }
+    if (n > 0 && !write_full(*up, msg, (size_t) n * one, g->timeout_s)) {
+        lose(g, up, "disconnected");
+        ra->n_ahead = ra->i_ahead = 0;
+        return;
+    }
+    atomic_fetch_add(&g->bytes_up, (long long) ((size_t) n * one));
     ra->n_ahead = n;
     ra->i_ahead = 0;
 }
@@ -441,7 +460,7 @@ static void * conn_main(void * arg) {
         atomic_fetch_add(&g->requests, 1);
         const bool is_get = cmd == CMD_GET_TENSOR && size == GET_REQ_SIZE;
         if (ra && ra->i_ahead < ra->n_ahead) {
-            if (is_get && memcmp(small, ra->ahead[ra->i_ahead], GET_REQ_SIZE) == 0) {
+            if (up >= 0 && is_get && memcmp(small, ra->ahead[ra->i_ahead], GET_REQ_SIZE) == 0) {
                 // asked for exactly what was read ahead, nothing between: its answer is due next
                 ra->i_ahead++;
                 atomic_fetch_add(&g->ahead_used, 1);
@@ -524,6 +543,7 @@ static void * conn_main(void * arg) {
     }
     if (up >= 0) close(up);
     close(client);
+    if (ra) ra_forget(g, ra);
     free(ra);
     atomic_fetch_sub(&g->n_conns, 1);
     return NULL;
