@@ -717,7 +717,10 @@ a fast hour, 15:51–15:58, load 0.6): four runs 1.20×, 1.26×, 1.28×, 1.23× 
 speculative 221 tok/s, ceiling 1.87×), then interleaved with the commit before it: 1.19× / 1.17× /
 1.44× against 1.13× / 1.29× / 1.33× (plain 166–196 and 173–184 tok/s), bit-identical every time: a
 faster one-token decode (memory-bound) raises t(k)/t(1), so the policy drafts shorter (verified
-lengths mostly 0–1) and the ceiling falls (1.88× against 2.03× at the older commit's costs).
+lengths mostly 0–1) and the ceiling falls (1.88× against 2.03× at the older commit's costs). The demo
+then ran plain and speculative twice each, alternating, and reports each side's faster run (one run
+each swung 1.13–1.44× within minutes): at 16:19 (a slower hour, plain 145–153 tok/s) four runs gave
+1.37×, 1.38×, 1.38×, 1.38× (τ 2.31–2.35, ceiling 1.95–1.97×), bit-identical every time.
 """
 
 

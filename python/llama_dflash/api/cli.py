@@ -202,6 +202,7 @@ def _add_exact(p: argparse.ArgumentParser, exact_help: str = EXACT_HELP) -> None
 
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                "<|im_end|>\n<|im_start|>assistant\n")
+DEMO_ROUNDS = 2  # plain and speculative alternate; each side's faster run is reported (this machine's speed drifts)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -226,9 +227,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
                               exact=a.exact, **_placement(a)) as g:
         toks = g.tokenize(DEMO_PROMPT)
         g.generate(toks, 8, draft_len=0)  # warm-up
-        plain = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
-        spec = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False, return_margins=True,
-                          speculation=a.speculation)
+        plain = spec = None
+        for _ in range(DEMO_ROUNDS):
+            pr = g.generate(toks, a.max_tokens, draft_len=0, stop_on_eos=False, return_margins=True)
+            sr = g.generate(toks, a.max_tokens, draft_len=a.draft_len, stop_on_eos=False, return_margins=True,
+                            speculation=a.speculation)
+            plain = pr if plain is None or pr.stats.tokens_per_s > plain.stats.tokens_per_s else plain
+            spec = sr if spec is None or sr.stats.tokens_per_s > spec.stats.tokens_per_s else spec
         report = divergence_report(g, plain, spec, 0.1)
         # the ceiling of any length policy: a run at n_max says what the drafter gets accepted
         steps: list[dict] = []
@@ -252,7 +257,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(_summary("speculative", spec.stats))
     base = max(plain.stats.tokens_per_s, 1e-9)
     gain = (spec.stats.tokens_per_s - base) / max(ceiling - base, 1e-9)
-    print(f"speedup {spec.stats.tokens_per_s / base:.2f}x ({a.speculation}); ceiling {ceiling / base:.2f}x "
+    print(f"speedup {spec.stats.tokens_per_s / base:.2f}x ({a.speculation}; the faster of {DEMO_ROUNDS} interleaved "
+          f"runs each); ceiling {ceiling / base:.2f}x "
           f"(the best draft lengths with this drafter at the measured costs)"
           + (f", reached {100 * gain:.0f} % of its gain" if ceiling > base else ""))
     if exact_on:  # exact mode: identity was checked, token by token, against the plain run
