@@ -157,8 +157,8 @@ class SpecOptions:
     rpc_servers: str | None = _opt(
         None, "llama.cpp rpc-server endpoints, \"host:port,host:port\", to split the target over "
               "(scripts/setup.sh --rpc; docs/architecture.md §14): n_gpu_layers of its layers go to them, as "
-              "llama.cpp splits layers over GPUs; the drafter and its cache stay local; a server lost "
-              "mid-generation is an RPCError and the next request reloads; None: all local",
+              "llama.cpp splits layers over GPUs; the drafter and its cache stay local (see rpc_drafter); a server "
+              "lost mid-generation is an RPCError and the next request reloads; None: all local",
         Optional[str], _endpoints)
 
     rpc_drafter: str | None = _opt(
