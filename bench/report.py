@@ -720,7 +720,12 @@ faster one-token decode (memory-bound) raises t(k)/t(1), so the policy drafts sh
 lengths mostly 0–1) and the ceiling falls (1.88× against 2.03× at the older commit's costs). The demo
 then ran plain and speculative twice each, alternating, and reports each side's faster run (one run
 each swung 1.13–1.44× within minutes): at 16:19 (a slower hour, plain 145–153 tok/s) four runs gave
-1.37×, 1.38×, 1.38×, 1.38× (τ 2.31–2.35, ceiling 1.95–1.97×), bit-identical every time.
+1.37×, 1.38×, 1.38×, 1.38× (τ 2.31–2.35, ceiling 1.95–1.97×), bit-identical every time. The
+end-to-end set again with that code (16:40, `bench_kernels.py --parts e2e --problems 6 --prose 6`, not
+saved over the 14:17 file): exact adaptive 2.65× / 2.05× llama-cpp-python on HumanEval / prose, 1.52× /
+1.11× our own exact plain loop, 6/6 and 6/6 identical; fixed n = 3 in exact mode 1.61× / 1.03×: on
+HumanEval, where the drafter is accepted most, the adaptive policy drafts longer (τ 2.96 against 2.78)
+and ends 5–6 % behind a fixed n = 3 (at 14:17 too: 1.65× against 1.74×), while it is ahead on prose.
 """
 
 
