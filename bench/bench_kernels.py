@@ -86,8 +86,7 @@ class Target:
         self.n_params = llama_cpp.llama_model_n_params(self.model)
         self.prefix = prefix
         for mode in self.ctx:
-            for p0 in range(0, prefix, 512):
-                self.decode(mode, min(512, prefix - p0), p0, logits=False)
+            self.decode(mode, prefix, 0, logits=False)  # (main() keeps it to one batch, <= 512)
 
     def decode(self, mode: str, n: int, pos0: int, logits: bool = True) -> float:
         kernels.set_enabled(mode == "dflash")

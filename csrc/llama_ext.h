@@ -23,7 +23,6 @@ const dflash_llama_ext * dflash_llama_ext_get(void);
 int32_t dflash_model_tensors(const struct llama_model * model, const char * name,
                              struct ggml_tensor ** out, int32_t max_out);
 
-
 #ifdef __cplusplus
 }
 #endif

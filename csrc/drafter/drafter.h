@@ -73,7 +73,6 @@ struct dflash_drafter {
     ggml_backend_t backends[3];    // the device asked for or the target head's GPU, or our small-batch kernels; then the CPU
     int n_backends;
     bool gpu;                      // backends[0] is a device other than the CPU (a GPU, an RPC server)
-    ggml_backend_dev_t device;     // the device asked for (dflash_drafter_load_on), or NULL
     uint32_t flags;                // enum dflash_load_flags
     bool fused_conv;               // DFlash2's conv as one CPU node (no GPU; DFLASH_LOAD_GENERIC_CONV: ggml's ops)
     ggml_backend_t cpu;

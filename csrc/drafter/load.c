@@ -666,22 +666,22 @@ static bool borrow(struct dflash_drafter * d, const struct llama_model * target,
     return true;
 }
 
-// The device holding the target's head (also when the drafter has its own), plus the CPU.
+// `device` when asked for (dflash_drafter_load_on), else the device holding the target's head (also
+// when the drafter has its own); plus the CPU.
 static bool init_backends(struct dflash_drafter * d, const struct llama_model * target, int32_t n_threads,
-                          char * err, size_t err_len) {
+                          ggml_backend_dev_t device, char * err, size_t err_len) {
     d->cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, NULL);
     if (!d->cpu) FAIL("no CPU backend available");
     ggml_backend_t main_be = NULL;
     struct ggml_tensor * t_head = d->w.head && !d->own_head ? d->w.head : target_tensor(target, "output.weight", false);
     if (!t_head) t_head = target_tensor(target, "token_embd.weight", false);
     // a target split over RPC servers: the drafter and its cache stay here (the documented
-    // upstream workaround), with a local copy of a head the servers hold, unless asked elsewhere
-    if (on_rpc_device(t_head) || d->device) t_head = NULL;
-    if (d->device) {
-        main_be = ggml_backend_dev_init(d->device, NULL);
-        if (!main_be) FAIL("cannot start the drafter's device %s", ggml_backend_dev_name(d->device));
-    }
-    if (t_head && t_head->buffer) {
+    // upstream workaround), with a local copy of a head the servers hold
+    if (on_rpc_device(t_head)) t_head = NULL;
+    if (device) {
+        main_be = ggml_backend_dev_init(device, NULL);
+        if (!main_be) FAIL("cannot start the drafter's device %s", ggml_backend_dev_name(device));
+    } else if (t_head && t_head->buffer) {
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t_head->buffer));
         if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) main_be = ggml_backend_dev_init(dev, NULL);
     }
@@ -886,10 +886,7 @@ dflash_drafter * dflash_drafter_load_on(const char * path, const struct llama_mo
     struct drafter_file f = { 0 };
     bool ok = d && ft;
     if (!ok) dflash_seterr(err, err_len, "out of memory loading a drafter");
-    if (d) {
-        d->flags = flags;
-        d->device = device;
-    }
+    if (d) d->flags = flags;
     ok = ok && file_open(&f, &d->hp, path, err, err_len) && validate_target(&d->hp, f.g, target, path, err, err_len) &&
          find_tensors(&d->hp, f.g, f.meta, ft, path, err, err_len);
     if (ok) {
@@ -897,7 +894,7 @@ dflash_drafter * dflash_drafter_load_on(const char * path, const struct llama_mo
         d->own_embd = ft->w.tok_embd != NULL;
         d->own_head = ft->w.head != NULL;
     }
-    ok = ok && borrow(d, target, ft, err, err_len) && init_backends(d, target, n_threads, err, err_len) &&
+    ok = ok && borrow(d, target, ft, err, err_len) && init_backends(d, target, n_threads, device, err, err_len) &&
          (!on_rpc_device(d->w.head) || copy_remote_head(d, err, err_len)) &&
          alloc_weights(d, f.g, ft, path, err, err_len) && init_compute(d, n_ctx, err, err_len);
     file_close(&f);

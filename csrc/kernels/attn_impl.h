@@ -184,4 +184,3 @@ void ATTN_FN(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch)
         }
     }
 }
-

@@ -158,12 +158,16 @@ static bool is_rowwise(enum ggml_op op) { return op == GGML_OP_RMS_NORM || op ==
 
 static bool f32_rows(const struct ggml_tensor * t) { return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t); }
 
+/* a row-wise op's tokens: its outermost dimension (a q-norm's rows are heads x tokens) */
+static int64_t n_tokens(const struct ggml_tensor * t) {
+    const int dims = ggml_n_dims(t);
+    return dims >= 2 ? t->ne[dims - 1] : 1;
+}
+
 static bool takes_rowwise(const struct ggml_tensor * op, bool all) {
     const struct ggml_tensor * a = op->src[0], * b = op->src[1];
     if (!f32_rows(op) || !a || !f32_rows(a) || !ggml_are_same_shape(a, op)) return false;
-    const int dims = ggml_n_dims(op);  /* tokens: the outermost dimension (a q-norm's rows are heads x tokens) */
-    const int64_t n_tok = dims >= 2 ? op->ne[dims - 1] : 1;
-    if (n_tok > DFK_MAX_ROWS && !all) return false;
+    if (n_tokens(op) > DFK_MAX_ROWS && !all) return false;
     switch (op->op) {
         case GGML_OP_RMS_NORM: return true;
         case GGML_OP_MUL:
@@ -204,15 +208,13 @@ static void rowwise(const struct ggml_tensor * op) {
  * each split is a graph_compute of ggml-cpu's with an OpenMP team of its own. */
 static bool is_cpu_op(enum ggml_op op) { return op == GGML_OP_ROPE || op == GGML_OP_SET_ROWS || op == GGML_OP_GLU; }
 
-/* the values an op computes (a KV write: the rows written, not the cache it writes into) */
-static int64_t op_work(const struct ggml_tensor * op) {
-    return ggml_nelements(op->op == GGML_OP_SET_ROWS ? op->src[1] : op);
+/* the rows an op computes (a KV write: the rows written, not the cache it writes into) */
+static const struct ggml_tensor * computed(const struct ggml_tensor * op) {
+    return op->op == GGML_OP_SET_ROWS ? op->src[1] : op;
 }
 
 static bool takes_cpu_op(const struct ggml_tensor * op) {
-    const struct ggml_tensor * rows = op->op == GGML_OP_SET_ROWS ? op->src[1] : op;
-    const int dims = ggml_n_dims(rows);  /* tokens: the outermost dimension */
-    if (!rows || (dims >= 2 ? rows->ne[dims - 1] : 1) > DFK_MAX_ROWS) return false;
+    if (!computed(op) || n_tokens(computed(op)) > DFK_MAX_ROWS) return false;
     static ggml_backend_dev_t cpu;
     if (!cpu) cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     return cpu && ggml_backend_dev_supports_op(cpu, op);
@@ -549,7 +551,7 @@ static enum ggml_status cpu_run(struct kctx * c, struct ggml_tensor ** nodes, in
     int64_t work = 0;
     for (int i = 0; i < n; i++) {
         ggml_graph_add_node(c->graph, nodes[i]);
-        work += op_work(nodes[i]);
+        work += ggml_nelements(computed(nodes[i]));
     }
     ggml_backend_cpu_set_n_threads(c->cpu, work >= CPU_RUN_THREADS ? c->n_threads : 1);
     atomic_fetch_add(&g_ggml_ops, n);

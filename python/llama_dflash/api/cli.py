@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import options
 from .._native import lib
@@ -149,25 +150,21 @@ DEFAULT_MODE_HELP = ("the default mode: faster verify batches on some targets, b
                      "decoding at numerical near-ties")
 
 
-def _endpoints(text: str) -> str:
-    try:
-        return options.check("rpc_servers", text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("rpc_servers", "--rpc", 1)) from None
-
-
-def _endpoint(text: str) -> str:
-    try:
-        return options.check("rpc_drafter", text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("rpc_drafter", "--rpc-drafter", 1)) from None
+def _option(name: str, flag: str) -> Callable[[str], Any]:
+    """An argparse type: the option's own check (options.py), its error naming the flag."""
+    def check(text: str) -> Any:
+        try:
+            return options.check(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).replace(name, flag, 1)) from None
+    return check
 
 
 def _add_rpc(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT]", type=_endpoints, default=None,
+    p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT]", type=_option("rpc_servers", "--rpc"), default=None,
                    help="split the target over these llama.cpp rpc-servers (scripts/setup.sh --rpc builds "
                         "rpc-server); the drafter stays local unless --rpc-drafter")
-    p.add_argument("--rpc-drafter", metavar="HOST:PORT", type=_endpoint, default=None,
+    p.add_argument("--rpc-drafter", metavar="HOST:PORT", type=_option("rpc_drafter", "--rpc-drafter"), default=None,
                    help=options.doc("rpc_drafter"))
     p.add_argument("--n-gpu-layers", type=_int(-1), default=None,
                    help="the target's layers offloaded (with --rpc: to the servers; default there: all)")

@@ -389,10 +389,7 @@ class Llama(llama_cpp.Llama):
         g = self.model_params.n_gpu_layers
         where = f"n_gpu_layers={g}" if g else "cpu"
         cluster = self.__dict__.get("_cluster")
-        if cluster is None:
-            return where
-        drafter = self.__dict__["_options"].rpc_drafter
-        return f"rpc={','.join(cluster.endpoints)};{where}" + (f";drafter={drafter}" if drafter else "")
+        return where if cluster is None else cluster.placement(where, self.__dict__["_options"].rpc_drafter)
 
     def _drafter_device(self) -> int | None:
         """The rpc server's device the drafter goes to (rpc_drafter), or None: local."""

@@ -103,10 +103,9 @@ class SpeculativeGenerator(_native.Resource):
         placement = f"n_gpu_layers={n_gpu_layers}" if n_gpu_layers else "cpu"
         drafter_device = None
         if self._cluster is not None:
-            placement = f"rpc={','.join(self._cluster.endpoints)};{placement}"
+            placement = self._cluster.placement(placement, rpc_drafter)
             if rpc_drafter is not None:
                 drafter_device = self._cluster.device(rpc_drafter)
-                placement += f";drafter={rpc_drafter}"
         self.placement = placement
         self._load_args = dict(model_path=model_path, drafter_path=drafter_path, n_batch=n_batch,
                                n_gpu_layers=n_gpu_layers, capture=capture, capture_layers=capture_layers,

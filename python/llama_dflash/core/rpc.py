@@ -156,6 +156,12 @@ class Cluster:
         put (``rpc_drafter``).  ValueError with one line if it is not one of them."""
         return self.guards[drafter_server(self.endpoints, endpoint)].devices[0]
 
+    def placement(self, where: str, rpc_drafter: str | None = None) -> str:
+        """The placement key of a target over these servers (``where``: its local part, e.g.
+        ``n_gpu_layers=N``) and of a drafter on one of them: what its cost model and exact-mode
+        verdict are kept for."""
+        return f"rpc={','.join(self.endpoints)};{where}" + (f";drafter={rpc_drafter}" if rpc_drafter else "")
+
     def apply(self, model_params) -> None:
         """Point a ``llama_model_params`` at these servers' devices only (NULL-terminated list).
         ``n_gpu_layers`` decides how many layers go to them."""
