@@ -258,20 +258,21 @@ static bool grow(void ** p, size_t * have, size_t need) {
     return *p != NULL;
 }
 
-/* n quantized activation rows in buf (dfk_act_size bytes): xq [n][kp], then dxl and xsl [n][kp / 4],
- * then xbs [n][kp / 32] */
+/* n quantized activation rows in buf (dfk_act_size bytes, 64-byte aligned): xq [n][kp], then dxl and
+ * xsl [n][kp / 4], then xzp and xbs [n][kp / 32] (kp is a multiple of 64: each array stays aligned) */
 static struct dfk_act act_in(void * buf, int64_t k, int64_t kp, int n) {
-    struct dfk_act a = { k, kp, n, (int8_t *) buf, NULL, NULL, NULL };
+    struct dfk_act a = { k, kp, n, (int8_t *) buf, NULL, NULL, NULL, NULL };
     a.dxl = (float *) (a.xq + (size_t) n * kp);
     a.xsl = a.dxl + (size_t) n * (kp / 4);
-    a.xbs = (int16_t *) (a.xsl + (size_t) n * (kp / 4));
+    a.xzp = (int64_t *) (a.xsl + (size_t) n * (kp / 4));
+    a.xbs = (int16_t *) (a.xzp + (size_t) n * (kp / 32));
     return a;
 }
 
 /* rows [r0, r0 + n) of a */
 static struct dfk_act act_rows_of(const struct dfk_act * a, int r0, int n) {
     const size_t q = (size_t) r0 * a->kp;
-    struct dfk_act v = { a->k, a->kp, n, a->xq + q, a->dxl + q / 4, a->xsl + q / 4, a->xbs + q / 32 };
+    struct dfk_act v = { a->k, a->kp, n, a->xq + q, a->dxl + q / 4, a->xsl + q / 4, a->xzp + q / 32, a->xbs + q / 32 };
     return v;
 }
 
@@ -380,6 +381,7 @@ static enum ggml_status mul_mat_id(struct kctx * c, struct ggml_tensor * op) {
         memcpy(g.xq + (size_t) r * kp, src.xq + (size_t) s * kp, (size_t) kp);
         memcpy(g.dxl + (size_t) r * (kp / 4), src.dxl + (size_t) s * (kp / 4), sizeof(float) * (size_t) (kp / 4));
         memcpy(g.xsl + (size_t) r * (kp / 4), src.xsl + (size_t) s * (kp / 4), sizeof(float) * (size_t) (kp / 4));
+        memcpy(g.xzp + (size_t) r * (kp / 32), src.xzp + (size_t) s * (kp / 32), sizeof(int64_t) * (size_t) (kp / 32));
         memcpy(g.xbs + (size_t) r * (kp / 32), src.xbs + (size_t) s * (kp / 32), sizeof(int16_t) * (size_t) (kp / 32));
     }
     int nth = c->n_threads > 0 ? c->n_threads : 1;

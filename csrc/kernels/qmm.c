@@ -3,7 +3,7 @@
 
 #include <string.h>
 
-size_t dfk_act_size(int64_t kp, int n) { return (size_t) n * (size_t) kp * 3 + (size_t) n * (size_t) (kp / 32) * 2; }
+size_t dfk_act_size(int64_t kp, int n) { return (size_t) n * (size_t) kp * 3 + (size_t) n * (size_t) (kp / 32) * 10; }
 
 int64_t dfk_block_values(enum dfk_wtype t) {
     return t == DFK_Q4_0 || t == DFK_Q8_0 || t == DFK_Q4_0_X8 || t == DFK_Q5_0 || t == DFK_Q4_1 ? 32 : 256;

@@ -27,13 +27,15 @@ enum dfk_wtype { DFK_Q4_0, DFK_Q8_0, DFK_Q4_K, DFK_Q5_K, DFK_Q6_K, DFK_Q4_0_X8, 
 #define DFK_CHUNK 64     /* values per step of the widest kernel: rows are padded to a multiple */
 
 /* Quantized activation rows: xq [n][kp] int8, per 4-value lane dxl (scales) and xsl (sums), and
- * xbs [n][kp / 32] the integer sum of every 32 values: qmm_common.h, dfk_quantize. */
+ * xzp [n][kp / 32] each 32 values' zero-point starts of the interleaved kernels' lane pair, and xbs
+ * [n][kp / 32] the integer sum of every 32 values: qmm_common.h, dfk_quantize. */
 struct dfk_act {
     int64_t k, kp;
     int     n;
     int8_t * xq;
     float  * dxl;
     float  * xsl;
+    int64_t * xzp;
     int16_t * xbs;
 };
 

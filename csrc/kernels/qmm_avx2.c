@@ -286,10 +286,7 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
         for (int r = 0; r < n; r++) {
             const size_t ro = (size_t) (r0 + r);
             const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
-            const int32_t * xc = (const int32_t *) a->xsl + ro * (kp / 4) + 8 * b;
-            const int64_t c0 = (int64_t) (uint32_t) (xc[0] + xc[2] + xc[4] + xc[6]);
-            const int64_t c1 = (int64_t) (uint32_t) (xc[1] + xc[3] + xc[5] + xc[7]);
-            const __m256i zp = _mm256_set1_epi64x(c0 | (c1 << 32));
+            const __m256i zp = _mm256_set1_epi64x(a->xzp[ro * (kp / 32) + b]);
             const __m256i x0 = _mm256_set1_epi64x(x[0]), x1 = _mm256_set1_epi64x(x[1]);
             const __m256i x2 = _mm256_set1_epi64x(x[2]), x3 = _mm256_set1_epi64x(x[3]);
             const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]);
@@ -395,6 +392,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
 X8_FMUL(q4_0, 32)
 X8_FMUL(q4_K, 256)
 
+#define DFK_FMUL_Q8_0 fmul_q8_0
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul2)

@@ -247,12 +247,9 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
         for (int r = 0; r < n; r++) {
             const size_t ro = (size_t) (r0 + r);
             const int8_t * x = a->xq + ro * kp + 32 * b;
-            const int32_t * xc = (const int32_t *) a->xsl + ro * (kp / 4) + 8 * b;
-            const int64_t c0 = (int64_t) (uint32_t) (xc[0] + xc[2] + xc[4] + xc[6]);
-            const int64_t c1 = (int64_t) (uint32_t) (xc[1] + xc[3] + xc[5] + xc[7]);
             int64_t q[4];
             memcpy(q, x, 32);
-            __m512i d = _mm512_set1_epi64(c0 | (c1 << 32));
+            __m512i d = _mm512_set1_epi64(a->xzp[ro * (kp / 32) + b]);
             d = _mm512_dpbusd_epi32(d, alo, _mm512_set1_epi64(q[0]));
             d = _mm512_dpbusd_epi32(d, blo, _mm512_set1_epi64(q[1]));
             d = _mm512_dpbusd_epi32(d, ahi, _mm512_set1_epi64(q[2]));
@@ -279,6 +276,68 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
     }
 
 X8_FMUL(q4_0, 32, 0)
+
+/* Q8_0 in ggml's standard layout (ggml-cpu repacks it on ARM only), 8 rows at a time as the repacked
+ * types: each block of the 8 rows is transposed in registers into the X8 form (8 bytes of each row a
+ * 64-bit element) and stored biased (w + 128), so one vpdpbusd serves 8 weight rows for each activation
+ * row, against 8 (and a float multiply-add each) one row at a time; the zero point enters through the
+ * activations' lane sums.  Per (activation row, weight row) the order is fixed as in x8dot_q4_0. */
+static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const struct dfk_act * a, int r0, int n,
+                              float * y, size_t y_stride) {
+    __m512 acc[8];
+    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m512i bias = _mm512_set1_epi8((char) 0x80);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i even = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), odd = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
+    const __m256i offs = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int) w_row));
+    const size_t pf = 8 * w_row / (size_t) nb;  /* the next group's bytes a block, prefetched one group ahead */
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t * p = g + (size_t) b * 34;
+        if (r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
+        __m512i z[4];  /* rows 2i, 2i + 1: their 32 bytes each */
+        for (int i = 0; i < 4; i++)
+            z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (p + 2 * i * w_row + 2))),
+                                      _mm256_loadu_si256((const __m256i *) (p + (2 * i + 1) * w_row + 2)), 1);
+        /* rows 0..3 (t) and 4..7 (u): bytes 0..7 then 8..15 (ta, ua), 16..23 then 24..31 (tb, ub) of each */
+        const __m512i ta = _mm512_permutex2var_epi64(z[0], even, z[1]), tb = _mm512_permutex2var_epi64(z[0], odd, z[1]);
+        const __m512i ua = _mm512_permutex2var_epi64(z[2], even, z[3]), ub = _mm512_permutex2var_epi64(z[2], odd, z[3]);
+        const __m512i v0 = _mm512_xor_si512(_mm512_shuffle_i64x2(ta, ua, _MM_SHUFFLE(1, 0, 1, 0)), bias);
+        const __m512i v1 = _mm512_xor_si512(_mm512_shuffle_i64x2(ta, ua, _MM_SHUFFLE(3, 2, 3, 2)), bias);
+        const __m512i v2 = _mm512_xor_si512(_mm512_shuffle_i64x2(tb, ub, _MM_SHUFFLE(1, 0, 1, 0)), bias);
+        const __m512i v3 = _mm512_xor_si512(_mm512_shuffle_i64x2(tb, ub, _MM_SHUFFLE(3, 2, 3, 2)), bias);
+        /* the 8 rows' scales: 32 bits from each block's start, the low half */
+        const __m128i dh = _mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *) p, offs, 1));
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(dh)));
+        for (int r = 0; r < n; r++) {
+            const size_t ro = (size_t) (r0 + r);
+            const int8_t * x = a->xq + ro * kp + 32 * b;
+            int64_t q[4];
+            memcpy(q, x, 32);
+            __m512i d = _mm512_set1_epi64(a->xzp[ro * (kp / 32) + b]);
+            d = _mm512_dpbusd_epi32(d, v0, _mm512_set1_epi64(q[0]));
+            d = _mm512_dpbusd_epi32(d, v1, _mm512_set1_epi64(q[1]));
+            d = _mm512_dpbusd_epi32(d, v2, _mm512_set1_epi64(q[2]));
+            d = _mm512_dpbusd_epi32(d, v3, _mm512_set1_epi64(q[3]));
+            const __m512 sd = _mm512_mul_ps(dw, _mm512_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
+        }
+    }
+    x8_store(acc, n, r0, y, y_stride);
+}
+
+/* whole groups of 8 rows by x8dot_q8_0, the last ne1 % 8 rows one at a time (c0 is a multiple of 8
+ * and c1 one or the matrix's end: col_range), so a row's kernel never depends on the split */
+static void fmul_q8_0x8(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, float * y,
+                        size_t y_stride) {
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
+        for (int r0 = 0; r0 < a->n; r0 += 8)
+            x8dot_q8_0(g, w_row, a->k / 32, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
+    }
+    if (c < c1) fmul_q8_0(w, w_row, c, c1, a, y, y_stride);
+}
 
 
 /* Q4_K repacked (X8), 8 rows at once likewise: a superblock's pieces j = 0..15 (8 bytes of each row)
@@ -375,6 +434,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
 
 X8_FMUL(q4_K, 256, 0)
 
+#define DFK_FMUL_Q8_0 fmul_q8_0x8
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul512)

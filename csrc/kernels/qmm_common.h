@@ -52,7 +52,10 @@ static inline void scales_mins_k4(const uint8_t * q, uint64_t * sc, uint64_t * m
  * block's sum once instead of every lane product).  xsl per lane: the lane's integer sum times minus
  * the type's zero point (Q4_0 8, Q5_0 16, Q6_K 32, Q8_0 128: the start of the lane's integer dot;
  * q8_biased: Q8_0 stored as w + 128, else signed), or for the types with float minima (Q4_K, Q5_K,
- * Q4_1) the lane sum as a float.  xbs: the integer sum of every 32 values (|sum| <= 32 * 127). */
+ * Q4_1) the lane sum as a float.  xzp (zero-point types): per 32 values, the sum of their even lanes'
+ * xsl (low 32 bits) and of their odd lanes' (high): the start of an interleaved kernel's lane pair,
+ * which takes a row's 8-value pieces as two 4-value lanes.  xbs: the integer sum of every 32 values
+ * (|sum| <= 32 * 127). */
 static inline int dfk_zero_point(enum dfk_wtype t, bool q8_biased) {
     switch (t) {
     case DFK_Q4_0: case DFK_Q4_0_X8: return 8;
@@ -77,6 +80,7 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
         int32_t * xc = (int32_t *) xf;
         float * dx = a->dxl + (size_t) r * (kp / 4);
         int16_t * xb = a->xbs + (size_t) r * (kp / 32);
+        int64_t * zs = a->xzp + (size_t) r * (kp / 32);
         for (int64_t b = 0; b < (kp + bs - 1) / bs; b++) {
             const int64_t j0 = bs * b, j1 = j0 + bs < k ? j0 + bs : k, p1 = j0 + bs < kp ? j0 + bs : kp;
             float amax = 0.0f;
@@ -110,6 +114,9 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
                 int32_t sum = 0;
                 for (int j = 0; j < 32; j++) sum += q[32 * s + j];
                 xb[s] = (int16_t) sum;
+                const int32_t * c = xc + 8 * s;
+                zs[s] = zp ? (int64_t) ((uint64_t) (uint32_t) (c[0] + c[2] + c[4] + c[6]) |
+                                        (uint64_t) (uint32_t) (c[1] + c[3] + c[5] + c[7]) << 32) : 0;
             }
         }
     }
@@ -152,7 +159,7 @@ static inline void dfk_prefetch(const uint8_t * p, size_t n) {
                      const struct dfk_act * a, float * y, size_t y_stride) {                           \
         switch (t) {                                                                                   \
         case DFK_Q4_0: fmul_q4_0(w, w_row, c0, c1, a, y, y_stride); break;                             \
-        case DFK_Q8_0: fmul_q8_0(w, w_row, c0, c1, a, y, y_stride); break;                             \
+        case DFK_Q8_0: DFK_FMUL_Q8_0(w, w_row, c0, c1, a, y, y_stride); break;                         \
         case DFK_Q4_K: fmul_q4_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q5_K: fmul_q5_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
         case DFK_Q6_K: fmul_q6_K(w, w_row, c0, c1, a, y, y_stride); break;                             \
