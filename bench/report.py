@@ -726,6 +726,27 @@ saved over the 14:17 file): exact adaptive 2.65× / 2.05× llama-cpp-python on H
 1.11× our own exact plain loop, 6/6 and 6/6 identical; fixed n = 3 in exact mode 1.61× / 1.03×: on
 HumanEval, where the drafter is accepted most, the adaptive policy drafts longer (τ 2.96 against 2.78)
 and ends 5–6 % behind a fixed n = 3 (at 14:17 too: 1.65× against 1.74×), while it is ahead on prose.
+
+**Q8_0 eight rows at a time** (commit 900f853, docs/architecture.md §13; 2026-12-05 17:40–17:55).
+SmolLM2's head (Q8_0, 49152 × 576) was a sixth of a 4-row verify and ran at ~94 G MAC/s at 8 rows:
+its blocks are now transposed in registers so that one `vpdpbusd` serves 8 weight rows. The head
+alone, 2 threads, 1 / 4 / 8 rows: 0.63 / 1.37 / 2.75 → 0.62 / 0.79 / 1.22 ms. SmolLM2 Q4_0 decodes
+interleaved with the commit before (4 rounds, best of 40): t(4) 8.2–8.6 → 7.1–7.9 ms, t(8) 12.4–13.2 →
+9.6–10.6, t(1) 5.8–6.4 → 5.7–6.9 (unchanged). The verify curve above is the run after it (17:48):
+SmolLM2 Q4_0 t(4)/t(1) 1.22 and t(8)/t(1) 1.61 (16:14: 1.32 / 2.02), Q8_0 1.17 / 1.46, Gemma-3 1.26 /
+1.68, Qwen2.5-Coder-1.5B (a Q6_K head, unchanged) 1.22 / 1.72. `llama-dflash demo`, interleaved with
+the commit before (17:47, a fast hour, plain 157–177 tok/s): 1.46×, 1.53×, 1.50×, 1.53× against
+1.38×, 1.45×, 1.30×, 1.30× (τ 2.40–2.59 against 2.27–2.40: cheaper rows, longer drafts), bit-identical
+every time. The end-to-end set above is the run after it (17:52): exact adaptive 3.12× / 2.15×
+llama-cpp-python on HumanEval / prose, 1.75× / 1.17× our own exact plain loop, and adaptive now
+level with a fixed n = 3 on HumanEval (288.7 against 288.4 tok/s) and ahead on prose.
+Tried for the adaptive policy's 5–6 % behind n = 3 before this commit, and dropped: pricing the draft
+length's time at the rate the cut values slots at (the rate achieved) instead of plain decoding's.
+Replayed on dense traces (12 HumanEval + 12 prose prompts, 17:35) it moved the engine from 1.526 /
+1.141× to 1.529 / 1.151×, but the demo, interleaved (5 rounds, 17:39), ran 1.40 / 1.34 / 1.42 / 1.35 /
+1.33× against the old sizing's 1.37 / 1.41 / 1.50 / 1.49 / 1.55× (τ 2.12–2.19 against 2.23–2.44):
+shorter drafts lost more than their draft time saved. Charging the gate's gain at that rate too
+replayed worse (1.503× on HumanEval).
 """
 
 
