@@ -392,7 +392,76 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
 X8_FMUL(q4_0, 32)
 X8_FMUL(q4_K, 256)
 
-#define DFK_FMUL_Q8_0 fmul_q8_0
+/* Q8_0 in ggml's standard layout, 8 rows at a time as on AVX512 (qmm_avx512.c): each block of the 8
+ * rows transposed in registers into two halves of 4 rows (8 bytes of each row a 64-bit element), kept
+ * signed (vpmaddubsw's 16-bit pairs of |w| times x with w's sign stay below 2 * 128 * 127), its
+ * absolute values and the 8 scales taken once for every activation row.  Per (activation row, weight
+ * row) in a fixed order: each piece's pairs into int32 (madd), the four pieces summed, times the row's
+ * d and the activation block's scale into a float lane pair; the pair summed at the end. */
+static inline int ld16(const uint8_t * p) { uint16_t h; memcpy(&h, p, 2); return h; }
+
+static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const struct dfk_act * a, int r0, int n,
+                              float * y, size_t y_stride) {
+    __m256 acc[X8_ROWS][2];
+    for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t kp = a->kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const size_t pf = 8 * w_row / (size_t) nb;  /* the next group's bytes a block, prefetched one group ahead */
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t * p = g + (size_t) b * 34;
+        if (r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
+        /* the 8 rows' scales (word inserts: a gather is microcoded and slow on AMD's AVX2 cores) */
+        __m128i dh = _mm_cvtsi32_si128(ld16(p));
+        dh = _mm_insert_epi16(dh, ld16(p + w_row), 1);
+        dh = _mm_insert_epi16(dh, ld16(p + 2 * w_row), 2);
+        dh = _mm_insert_epi16(dh, ld16(p + 3 * w_row), 3);
+        dh = _mm_insert_epi16(dh, ld16(p + 4 * w_row), 4);
+        dh = _mm_insert_epi16(dh, ld16(p + 5 * w_row), 5);
+        dh = _mm_insert_epi16(dh, ld16(p + 6 * w_row), 6);
+        dh = _mm_insert_epi16(dh, ld16(p + 7 * w_row), 7);
+        const __m256 d8 = _mm256_cvtph_ps(dh);
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = _mm256_permutevar8x32_ps(d8, _mm256_add_epi32(_mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0),
+                                                                              _mm256_set1_epi32(4 * h)));
+            __m256i R[4], v[4], av[4];
+            for (int i = 0; i < 4; i++) R[i] = _mm256_loadu_si256((const __m256i *) (p + (4 * h + i) * w_row + 2));
+            const __m256i t0 = _mm256_unpacklo_epi64(R[0], R[1]), t1 = _mm256_unpackhi_epi64(R[0], R[1]);
+            const __m256i t2 = _mm256_unpacklo_epi64(R[2], R[3]), t3 = _mm256_unpackhi_epi64(R[2], R[3]);
+            v[0] = _mm256_permute2x128_si256(t0, t2, 0x20);  /* bytes 0..7 of rows 0..3 of the half */
+            v[1] = _mm256_permute2x128_si256(t1, t3, 0x20);
+            v[2] = _mm256_permute2x128_si256(t0, t2, 0x31);
+            v[3] = _mm256_permute2x128_si256(t1, t3, 0x31);
+            for (int j = 0; j < 4; j++) av[j] = _mm256_abs_epi8(v[j]);
+            for (int r = 0; r < n; r++) {
+                const size_t ro = (size_t) (r0 + r);
+                const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
+                __m256i d = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++)
+                    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(_mm256_set1_epi64x(x[j]), v[j])), ones));
+                const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(dw, dx), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), s);
+    }
+}
+
+/* whole groups of 8 rows by x8dot_q8_0, the last ne1 % 8 rows one at a time (as on AVX512) */
+static void fmul_q8_0x8(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, float * y,
+                        size_t y_stride) {
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8)
+        for (int r0 = 0; r0 < a->n; r0 += X8_ROWS)
+            x8dot_q8_0((const uint8_t *) w + (size_t) c * w_row, w_row, a->k / 32, a, r0,
+                       a->n - r0 >= X8_ROWS ? X8_ROWS : a->n - r0, y + c, y_stride);
+    if (c < c1) fmul_q8_0(w, w_row, c, c1, a, y, y_stride);
+}
+
+#define DFK_FMUL_Q8_0 fmul_q8_0x8
 #define DFK_FMUL_Q4_0_X8 fmul_q4_0x8_rows
 #define DFK_FMUL_Q4_K_X8 fmul_q4_Kx8_rows
 DFK_MUL(mul2)
