@@ -747,6 +747,16 @@ Replayed on dense traces (12 HumanEval + 12 prose prompts, 17:35) it moved the e
 1.33× against the old sizing's 1.37 / 1.41 / 1.50 / 1.49 / 1.55× (τ 2.12–2.19 against 2.23–2.44):
 shorter drafts lost more than their draft time saved. Charging the gate's gain at that rate too
 replayed worse (1.503× on HumanEval).
+`bench_adaptive.py --exact --upstream` with the kernels (18:11, "With the small-batch kernels" under
+Cost-aware drafting): exact adaptive 2.80× llama-cpp-python on HumanEval greedy (247.9 against 88.5
+tok/s; 1.67× our plain loop, fixed n = 3 1.74×, the ceiling 2.41×), 1.41× our plain at T = 0.7, 1.15×
+on prose greedy; upstream's own loop 110.5 tok/s (n = 3). Until this run the bench's llama-cpp-python
+arms ran on our kernels (importing llama-dflash registers them for every context: 118.3 tok/s in a
+first attempt of the same run); they now switch them off. Prose at T = 0.7 ran 0.936× plain (fixed n
+= 3 0.943×; before the kernels 0.96–1.03×): drafting there gains nothing (τ 1.17) and the policy,
+which had just drafted through HumanEval at T = 0.7, kept drafting in 351 of 803 steps. The same 8
+prose prompts alone, plain and adaptive interleaved (18:25, two processes each with the cached
+calibration and with an empty one): 0.991× / 1.004× and 0.978× / 0.999×, 594–634 of ~855 steps plain.
 """
 
 
@@ -905,6 +915,12 @@ def adaptive() -> list[str]:
         out += _adaptive_sets(r, "adaptive.json")
     # (other runs of the bench: file, heading, what sets it apart)
     for name, title, intro in (
+            ("adaptive_kernels.json", "With the small-batch kernels, in exact mode (the defaults since 2026-12-05)",
+             "Our loop in exact mode with our kernels (docs/architecture.md §13), every adaptive output checked "
+             "identical to our plain one and our plain greedy output to llama-cpp-python's under the same settings "
+             "(which, in a process that imported llama-dflash, runs our kernels too); llama-cpp-python plain and "
+             "its prompt lookup at their defaults with our kernels switched off, as it runs without llama-dflash; "
+             "upstream's loop as below. The results above and below predate the kernels."),
             ("adaptive_upstream.json", "Against upstream llama.cpp's own DFlash loop",
              "The same two files through upstream's `llama-speculative-simple --spec-type draft-dflash` (built "
              "from the llama.cpp our libllama is, same CPU flags: `bench/build-upstream.sh`), greedy, its own "
