@@ -46,7 +46,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
-from llama_dflash.core import exact, kernels
+from llama_dflash.core import exact
 from llama_dflash.train.prompts import chatml, humaneval_prompts
 
 PROSE = [
@@ -166,20 +166,14 @@ def run_set(g: SpeculativeGenerator, llm, lookup, prompts: list[str], n_tok: int
         seed = 1000 + i
         sp = SamplingParams(seed=seed, **SAMPLING) if sp_kind == "t0.7" else None
         temp = SAMPLING["temperature"] if sp_kind == "t0.7" else 0.0
-        if peers:
-            # llama-cpp-python as it runs without llama-dflash: importing us registers our kernels for
-            # every context (until 2026-12-05 18:15 these two arms ran on them)
-            kernels.set_enabled(False)
-            try:
-                ref, secs = plain_llama_cpp(llm, toks, n_tok, temp, seed)
-                agg.add("lcpp_plain", max(0, len(ref) - 1), secs)
-                out, secs = plain_llama_cpp(lookup, toks, n_tok, temp, seed)
-                agg.add("lcpp_prompt_lookup", max(0, len(out) - 1), secs)
-            finally:
-                kernels.set_enabled(True)
+        if peers:  # (as it runs without llama-dflash: until 2026-12-05 18:15 these arms ran on our kernels)
+            ref, secs = plain_llama_cpp(llm, toks, n_tok, temp, seed)
+            agg.add("lcpp_plain", max(0, len(ref) - 1), secs)
+            out, secs = plain_llama_cpp(lookup, toks, n_tok, temp, seed)
+            agg.add("lcpp_prompt_lookup", max(0, len(out) - 1), secs)
         same = None
-        if peers and llm_same is not None:  # (llama-dflash imported: our kernels, the numerics ours must equal)
-            same, secs = plain_llama_cpp(llm_same, toks, n_tok, temp, seed)
+        if peers and llm_same is not None:  # (with our kernels: the numerics ours must equal)
+            same, secs = plain_llama_cpp(llm_same, toks, n_tok, temp, seed, our_kernels=True)
             agg.add("lcpp_plain_same_settings", max(0, len(same) - 1), secs)
         r = g.generate(toks, n_tok, draft_len=0, sampling=sp)
         plain_tokens = max(0, r.stats.n_generated - 1)

@@ -16,6 +16,11 @@ Three measurements, all on the default target (SmolLM2-135M-Instruct Q4_0) and t
             llama-cpp-python's logit gap between the two tokens there, one token per decode and
             in the speculative run's own verify batches.
 
+Its llama_cpp.Llama instances run in a process that imported llama-dflash, so their small matrix
+products are our kernels' too (registered for every context; since 2026-12-05): the comparisons are
+of the two classes on the same products, not of stock llama-cpp-python's speed (bench_adaptive.py
+and bench_kernels.py measure that with our kernels switched off).
+
 Usage: python bench/bench_dropin.py [--only overhead,memory,logprobs,grammar] [--out bench/results/dropin.json]
 """
 

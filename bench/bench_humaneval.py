@@ -30,6 +30,7 @@ from llama_cpp import _logger
 
 from llama_dflash import SamplingParams, SpeculativeGenerator
 from llama_dflash.api.models import default_target, shipped_drafter
+from llama_dflash.core import kernels
 from llama_dflash.train.prompts import chatml, humaneval_problems, humaneval_prompts
 from llama_dflash.verify.certify import certify, divergence_report
 from llama_dflash.verify.certify import checker as make_checker
@@ -37,22 +38,28 @@ from llama_dflash.verify.certify import checker as make_checker
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
 
 
-def plain_llama_cpp(llm: llama_cpp.Llama, toks: list[int], n: int, temperature: float, seed: int
-                    ) -> tuple[list[int], float]:
-    """llama-cpp-python's own decoding: (tokens, decode seconds after the first token)."""
+def plain_llama_cpp(llm: llama_cpp.Llama, toks: list[int], n: int, temperature: float, seed: int,
+                    our_kernels: bool = False) -> tuple[list[int], float]:
+    """llama-cpp-python's own decoding: (tokens, decode seconds after the first token).  Importing
+    llama-dflash registers our small-batch kernels for every context, so they are switched off for
+    it (as it runs without llama-dflash) unless `our_kernels`."""
     llm.reset()
     llm.set_seed(seed)
     out, t1 = [], None
     kw = dict(temp=temperature, top_k=SAMPLING["top_k"], top_p=SAMPLING["top_p"], min_p=SAMPLING["min_p"]) \
         if temperature > 0 else dict(temp=0.0)
-    for t in llm.generate(toks, reset=True, **kw):
-        if t1 is None:
-            t1 = time.perf_counter()
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t):
-            break
-        out.append(t)
-        if len(out) >= n:
-            break
+    kernels.set_enabled(our_kernels)
+    try:
+        for t in llm.generate(toks, reset=True, **kw):
+            if t1 is None:
+                t1 = time.perf_counter()
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t):
+                break
+            out.append(t)
+            if len(out) >= n:
+                break
+    finally:
+        kernels.set_enabled(True)
     return out, time.perf_counter() - t1
 
 

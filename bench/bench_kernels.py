@@ -192,8 +192,7 @@ def e2e(problems: int, prose: int, n_tok: int, n_threads: int) -> dict:
 
         for text in prompts:
             toks = gens[("ggml", False)].tokenize(text)
-            kernels.set_enabled(False)
-            ref, secs = plain_llama_cpp(llm, toks, n_tok, 0.0, 0)
+            ref, secs = plain_llama_cpp(llm, toks, n_tok, 0.0, 0)  # (our kernels off for it)
             add("llama-cpp-python plain", len(ref), secs)
             for mode in ("ggml", "dflash"):
                 for exact in (False, True):
