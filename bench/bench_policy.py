@@ -286,7 +286,7 @@ def collect(a) -> dict:
     # decoding's for the same seed: the sampled output is traced as the greedy one is
     sets = {f"{name}{suffix}": (prompts, t) for name, prompts in base.items()
             for suffix, t in (("", False), ("_t0.7", True)) if t in a.temps}
-    g.generate(g.tokenize(base["prose"][0]), 16)  # the cost model, before anything is timed
+    g.generate(g.tokenize(next(p for ps in base.values() for p in ps)), 16)  # the cost model, before any timing
     res = {"command": "python3 " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "tokens": a.tokens, "n_max": n_max, "target": default_target().name, "drafter": Path(drafter).name,
            "sets": {}, "traces": {}}
