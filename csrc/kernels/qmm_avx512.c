@@ -222,6 +222,27 @@ static inline void x8_store(const __m512 * acc, int n, int r0, float * y, size_t
     }
 }
 
+/* One 32-value block b of a group's 8 weight rows in the X8 form -- piece vectors p0..p3 hold values
+ * 0-7, 8-15, 16-23 and 24-31 of every row (8 bytes a row, unsigned), dw the rows' scales in lane pairs
+ * -- against activation rows [r0, r0 + n): the zero point's start (xzp), four dots with the pieces'
+ * activations broadcast to every row, times the row's scale and the activation block's. */
+static inline void x8_block(const struct dfk_act * a, int r0, int n, int64_t b, __m512i p0, __m512i p1, __m512i p2,
+                            __m512i p3, __m512 dw, __m512 * acc) {
+    const int64_t kp = a->kp;
+    for (int r = 0; r < n; r++) {
+        const size_t ro = (size_t) (r0 + r);
+        int64_t q[4];
+        memcpy(q, a->xq + ro * kp + 32 * b, 32);
+        __m512i d = _mm512_set1_epi64(a->xzp[ro * (kp / 32) + b]);
+        d = _mm512_dpbusd_epi32(d, p0, _mm512_set1_epi64(q[0]));
+        d = _mm512_dpbusd_epi32(d, p1, _mm512_set1_epi64(q[1]));
+        d = _mm512_dpbusd_epi32(d, p2, _mm512_set1_epi64(q[2]));
+        d = _mm512_dpbusd_epi32(d, p3, _mm512_set1_epi64(q[3]));
+        const __m512 sd = _mm512_mul_ps(dw, _mm512_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
+    }
+}
+
 /* Q4_0 repacked (X8): the 8 rows of a group at once, in the order ggml-cpu interleaved them.  A
  * block's 8-byte pieces j = 0, 1 of the 8 rows fill one vector each; a row's int32 lanes 2r, 2r+1
  * take the activations' 8 values of that piece broadcast to every row, so one vpdpbusd serves 8
@@ -232,7 +253,6 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
                               size_t y_stride) {
     __m512 acc[8];
     for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t kp = a->kp;
     const __m512i m4 = _mm512_set1_epi8(15), x88 = _mm512_set1_epi8((char) 0x88);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     for (int64_t b = 0; b < nb; b++) {
@@ -244,19 +264,7 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
         const __m512i B = _mm512_xor_si512(_mm512_loadu_si512((const void *) (p + 80)), x88);
         const __m512i alo = _mm512_and_si512(A, m4), ahi = _mm512_and_si512(_mm512_srli_epi16(A, 4), m4);
         const __m512i blo = _mm512_and_si512(B, m4), bhi = _mm512_and_si512(_mm512_srli_epi16(B, 4), m4);
-        for (int r = 0; r < n; r++) {
-            const size_t ro = (size_t) (r0 + r);
-            const int8_t * x = a->xq + ro * kp + 32 * b;
-            int64_t q[4];
-            memcpy(q, x, 32);
-            __m512i d = _mm512_set1_epi64(a->xzp[ro * (kp / 32) + b]);
-            d = _mm512_dpbusd_epi32(d, alo, _mm512_set1_epi64(q[0]));
-            d = _mm512_dpbusd_epi32(d, blo, _mm512_set1_epi64(q[1]));
-            d = _mm512_dpbusd_epi32(d, ahi, _mm512_set1_epi64(q[2]));
-            d = _mm512_dpbusd_epi32(d, bhi, _mm512_set1_epi64(q[3]));
-            const __m512 sd = _mm512_mul_ps(dw, _mm512_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
-        }
+        x8_block(a, r0, n, b, alo, blo, ahi, bhi, dw, acc);
     }
     x8_store(acc, n, r0, y, y_stride);
 }
@@ -286,7 +294,6 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
                               float * y, size_t y_stride) {
     __m512 acc[8];
     for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t kp = a->kp;
     const __m512i bias = _mm512_set1_epi8((char) 0x80);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i even = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), odd = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
@@ -309,19 +316,7 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
         /* the 8 rows' scales: 32 bits from each block's start, the low half */
         const __m128i dh = _mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *) p, offs, 1));
         const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(dh)));
-        for (int r = 0; r < n; r++) {
-            const size_t ro = (size_t) (r0 + r);
-            const int8_t * x = a->xq + ro * kp + 32 * b;
-            int64_t q[4];
-            memcpy(q, x, 32);
-            __m512i d = _mm512_set1_epi64(a->xzp[ro * (kp / 32) + b]);
-            d = _mm512_dpbusd_epi32(d, v0, _mm512_set1_epi64(q[0]));
-            d = _mm512_dpbusd_epi32(d, v1, _mm512_set1_epi64(q[1]));
-            d = _mm512_dpbusd_epi32(d, v2, _mm512_set1_epi64(q[2]));
-            d = _mm512_dpbusd_epi32(d, v3, _mm512_set1_epi64(q[3]));
-            const __m512 sd = _mm512_mul_ps(dw, _mm512_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sd, acc[r]);
-        }
+        x8_block(a, r0, n, b, v0, v1, v2, v3, dw, acc);
     }
     x8_store(acc, n, r0, y, y_stride);
 }
