@@ -326,7 +326,7 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
 static void fmul_q8_0x8(const void * w, size_t w_row, int64_t c0, int64_t c1, const struct dfk_act * a, float * y,
                         size_t y_stride) {
     int64_t c = c0;
-    for (; c + 8 <= c1; c += 8) {
+    for (; c + 8 <= c1 && w_row <= INT32_MAX / 8; c += 8) {  /* (the scales' gather takes 32-bit offsets) */
         const uint8_t * g = (const uint8_t *) w + (size_t) c * w_row;
         for (int r0 = 0; r0 < a->n; r0 += 8)
             x8dot_q8_0(g, w_row, a->k / 32, a, r0, a->n - r0 >= 8 ? 8 : a->n - r0, y + c, y_stride);
