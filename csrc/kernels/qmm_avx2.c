@@ -259,23 +259,31 @@ DFK_FMUL(q6_K, 8)
  * arithmetic unchanged) */
 #define X8_ROWS 8
 
+/* the lane order of a group's results once the two halves' lane pairs are summed (_mm256_hadd_epi32 of
+ * rows 0..3 and 4..7): rows 0, 1, 4, 5 | 2, 3, 6, 7 (a permutation its own inverse) */
+static inline __m256i x8_pair_order(void) { return _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0); }
+
+/* a group's 8 results per activation row, from the pair order into row order */
+static inline void x8_store_pairs(const __m256 * acc, int n, int r0, float * y, size_t y_stride) {
+    for (int r = 0; r < n; r++)
+        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), _mm256_permutevar8x32_ps(acc[r], x8_pair_order()));
+}
+
 /* Q4_0 repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
  * (rows 0..3 and 4..7 of each 64-byte piece vector).  Per (activation row, weight row) in a fixed
- * order: a block's four piece dots summed as int16 pairs (at most 4 * 2 * 15 * 127), into an int32
- * lane pair that starts at the zero point's term (the activations' lane sums), times the row's d
- * and the activation block's scale into a float lane pair; the pair summed at the end. */
+ * order: a block's four piece dots summed as int16 pairs (at most 4 * 2 * 15 * 127), the pair of
+ * int32 lanes summed, plus the zero point's term (the block's activation sum times -8), times the
+ * row's d and the activation block's scale into one float lane. */
 static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_act * a, int r0, int n, float * y,
                               size_t y_stride) {
-    __m256 acc[X8_ROWS][2];
-    for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[X8_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
     const int64_t kp = a->kp;
     const __m256i m4 = _mm256_set1_epi8(15), x88 = _mm256_set1_epi8((char) 0x88), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t * p = g + (size_t) b * 144;
         if (r0 == 0) dfk_prefetch(p + DFK_PF_AHEAD, 144);  /* the groups follow each other: one stream */
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
-        const __m256 dw[2] = { _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0)),
-                               _mm256_permutevar8x32_ps(d8, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4)) };
+        const __m256 dw = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)), x8_pair_order());
         __m256i lo[2][2], hi[2][2];  /* [half][piece] */
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 2; j++) {
@@ -286,23 +294,20 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
         for (int r = 0; r < n; r++) {
             const size_t ro = (size_t) (r0 + r);
             const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
-            const __m256i zp = _mm256_set1_epi64x(a->xzp[ro * (kp / 32) + b]);
+            const int64_t z = a->xzp[ro * (kp / 32) + b];
             const __m256i x0 = _mm256_set1_epi64x(x[0]), x1 = _mm256_set1_epi64x(x[1]);
             const __m256i x2 = _mm256_set1_epi64x(x[2]), x3 = _mm256_set1_epi64x(x[3]);
-            const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]);
+            __m256i d[2];
             for (int h = 0; h < 2; h++) {
                 const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[h][0], x0), _mm256_maddubs_epi16(lo[h][1], x1)),
                                                    _mm256_add_epi16(_mm256_maddubs_epi16(hi[h][0], x2), _mm256_maddubs_epi16(hi[h][1], x3)));
-                const __m256i d = _mm256_add_epi32(zp, _mm256_madd_epi16(s, ones));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(dw[h], dx), acc[r][h]);
+                d[h] = _mm256_madd_epi16(s, ones);
             }
+            const __m256i di = _mm256_add_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_set1_epi32((int32_t) z + (int32_t) (z >> 32)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(di), _mm256_mul_ps(dw, _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b])), acc[r]);
         }
     }
-    for (int r = 0; r < n; r++) {
-        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
-        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
-        _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), s);
-    }
+    x8_store_pairs(acc, n, r0, y, y_stride);
 }
 
 /* Q4_K repacked (X8): the 8 rows of a group at once, as on AVX512 (qmm_avx512.c), in 256-bit halves
