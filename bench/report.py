@@ -757,6 +757,11 @@ first attempt of the same run); they now switch them off. Prose at T = 0.7 ran 0
 which had just drafted through HumanEval at T = 0.7, kept drafting in 351 of 803 steps. The same 8
 prose prompts alone, plain and adaptive interleaved (18:25, two processes each with the cached
 calibration and with an empty one): 0.991× / 1.004× and 0.978× / 0.999×, 594–634 of ~855 steps plain.
+The AVX2 build's verify curve after the Q8_0 group kernel (18:05; the roofline's AVX2 peak measured
+since) and again after AVX2 Q4_0's lane pairs are summed before the float step (18:45, the curve under
+"The verify curve with AVX2 code only" is this run; load 1.7 before): SmolLM2 Q4_0 t(4)/t(1) 1.42 → 1.37, t(8)/t(1)
+2.07 → 2.01 (13:21: 1.48 / 2.48); Gemma-3 1.36 / 2.16 → 1.34 / 2.13; Qwen2.5-Coder-1.5B 1.29 / 2.01 →
+1.28 / 1.95. One row 0.63–0.83× llama.cpp's AVX2 build, prefill within 2.4 %.
 """
 
 
