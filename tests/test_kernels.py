@@ -1,5 +1,5 @@
 """The small-batch kernels (csrc/kernels): every weight type against a float64 reference and ggml's
-own product, odd shapes, 1..16 rows, 1 or 2 threads, every instruction set this CPU runs (an
+own product, odd shapes, negative scales, 1..16 rows, 1 to 3 threads, every instruction set this CPU runs (an
 AVX512 machine runs the AVX2 kernels too), bit-identical rows whatever the batch; and the backend in
 a real context: which products it takes, what it leaves to ggml, and greedy decoding through it.
 MUL_MAT_ID (a MoE layer's experts) likewise: one node through ggml's own API against ggml-cpu's and
@@ -42,7 +42,7 @@ def random_weights(t: Q, k: int, ncol: int, rng: np.random.Generator) -> np.ndar
     bv, bb, scales = BLOCKS[t]
     raw = rng.integers(0, 256, (ncol, k // bv, bb), dtype=np.uint8)
     for a, b in scales:
-        d = rng.uniform(0.001, 0.02, (ncol, k // bv)).astype(np.float16)
+        d = (rng.uniform(0.001, 0.02, (ncol, k // bv)) * rng.choice([-1.0, 1.0], (ncol, k // bv))).astype(np.float16)
         raw[:, :, a:b] = np.frombuffer(d.tobytes(), np.uint8).reshape(ncol, k // bv, 2)
     return raw.reshape(ncol, -1)
 
@@ -78,7 +78,7 @@ def test_products_match_ggml_and_are_batch_invariant(t):
             # activations are quantized to 8 bits by both, in blocks as fine as ggml's: its error class
             assert err_ours < 1.5 * err_ggml + 1e-6, (isa, k, ncol, err_ours, err_ggml)
             for n in range(1, 17):
-                for threads in (1, 2):
+                for threads in (1, 2, 3):  # (3: a column split no machine here uses by default)
                     rows = product(lib.dflash_kernels_mul, t, raw, x[:n].copy(), threads, isa)
                     assert np.array_equal(rows, ours[:n]), (isa, k, ncol, n, threads)
             for i in (0, 5, 15):  # a row alone, as a one-token decode computes it
@@ -159,7 +159,7 @@ def test_repacked_layout_reads_as_its_rows(t):
             got = product(lib.dflash_kernels_mul, t_x8, packed, x, 2, isa)
             assert np.abs(got - plain).max() <= 1e-5 * np.abs(plain).max(), (isa, t.name, k, ncol)
             for n in (1, 3, 8, 13):
-                for threads in (1, 2):
+                for threads in (1, 2, 3):  # (3: a column split no machine here uses by default)
                     rows = product(lib.dflash_kernels_mul, t_x8, packed, x[:n].copy(), threads, isa)
                     assert np.array_equal(rows, got[:n]), (isa, t.name, k, ncol, n, threads)
 
@@ -265,7 +265,7 @@ def test_moe_mul_mat_id_matches_ggml_and_is_batch_invariant(ggml_api, t):
         scale = np.abs(src).max(-1, keepdims=True) * np.abs(w[ids]).sum(-1)
         err_ours, err_ggml = (np.abs(ours - ref) / scale).max(), (np.abs(ggml - ref) / scale).max()
         assert err_ours < 1.5 * err_ggml + 1e-6, (ne11, err_ours, err_ggml)
-        for threads in (1, 2):
+        for threads in (1, 2, 3):  # (3: a column split no machine here uses by default)
             ggml_api.set_threads(ggml_api.ours, threads)
             for n in range(1, 17):
                 part = ggml_api.mul_mat_id(ggml_api.ours, t, raw, k, ncol, x[:n].copy(), ids[:n].copy())

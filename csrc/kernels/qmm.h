@@ -57,7 +57,7 @@ struct dfk_isa {
     void (*attn)(const struct dfk_attn * a, int64_t t0, int64_t t1, float * scratch);
 };
 
-size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's four arrays */
+size_t dfk_act_size(int64_t kp, int n);            /* bytes for a dfk_act's five arrays */
 int64_t dfk_block_values(enum dfk_wtype t);         /* values per weight block */
 size_t  dfk_block_bytes(enum dfk_wtype t);          /* bytes per weight block */
 

@@ -293,7 +293,8 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
             }
         for (int r = 0; r < n; r++) {
             const size_t ro = (size_t) (r0 + r);
-            const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
+            int64_t x[4];  /* (copied: the activations are int8) */
+            memcpy(x, a->xq + ro * kp + 32 * b, 32);
             const int64_t z = a->xzp[ro * (kp / 32) + b];
             const __m256i x0 = _mm256_set1_epi64x(x[0]), x1 = _mm256_set1_epi64x(x[1]);
             const __m256i x2 = _mm256_set1_epi64x(x[2]), x3 = _mm256_set1_epi64x(x[3]);
@@ -351,7 +352,8 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
         for (int c = 0; c < 4; c++) {
             const uint8_t * q = p + 128 + 256 * c;  /* pieces 4c .. 4c + 3, 64 bytes each */
             for (int r = 0; r < n; r++) {
-                const int64_t * x = (const int64_t *) (a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c);
+                int64_t x[8];  /* (copied: the activations are int8) */
+                memcpy(x, a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c, 64);
                 for (int h = 0; h < 2; h++) {
                     __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
                     for (int j = 0; j < 4; j++) {
@@ -411,10 +413,14 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
     for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int64_t kp = a->kp;
     const __m256i ones = _mm256_set1_epi16(1);
-    const size_t pf = 8 * w_row / (size_t) nb;  /* the next group's bytes a block, prefetched one group ahead */
+    /* the next group's bytes a block, prefetched one group ahead where a group is small (a SmolLM2 head's
+     * 4.9 KB); past Q8_PF_GROUP the hardware's prefetch alone did better (a 1536 x 8960 matrix read cold:
+     * 0.70 against 0.86 ms at one row, 2 threads) */
+    const size_t pf = 8 * w_row / (size_t) nb;
+    const bool pf_next = 8 * w_row <= Q8_PF_GROUP;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t * p = g + (size_t) b * 34;
-        if (r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
+        if (pf_next && r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
         /* the 8 rows' scales (word inserts: a gather is microcoded and slow on AMD's AVX2 cores) */
         __m128i dh = _mm_cvtsi32_si128(ld16(p));
         dh = _mm_insert_epi16(dh, ld16(p + w_row), 1);
@@ -439,7 +445,8 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
             for (int j = 0; j < 4; j++) av[j] = _mm256_abs_epi8(v[j]);
             for (int r = 0; r < n; r++) {
                 const size_t ro = (size_t) (r0 + r);
-                const int64_t * x = (const int64_t *) (a->xq + ro * kp + 32 * b);
+                int64_t x[4];  /* (copied: the activations are int8) */
+            memcpy(x, a->xq + ro * kp + 32 * b, 32);
                 __m256i d = _mm256_setzero_si256();
                 for (int j = 0; j < 4; j++)
                     d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(_mm256_set1_epi64x(x[j]), v[j])), ones));
@@ -475,7 +482,7 @@ static void quantize2(enum dfk_wtype t, const float * x, size_t x_stride, const 
     dfk_quantize(t, false, x, x_stride, a, r0, r1);
 }
 
-static bool takes2(enum dfk_wtype t, int64_t k) { return k % 32 == 0; }
+static bool takes2(enum dfk_wtype t, int64_t k) { return k > 0 && k % 32 == 0; }
 
 /* six independent chains of the kernel's own dot: 32 multiply-adds each.  Each chain's input is
  * opaque to the compiler every pass (an empty asm; named variables, so they stay in registers): with

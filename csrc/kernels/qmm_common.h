@@ -129,6 +129,7 @@ static void dfk_quantize(enum dfk_wtype t, bool q8_biased, const float * x, size
 #ifndef DFK_PF_AHEAD
 #define DFK_PF_AHEAD 2048  /* bytes ahead of the kernels that prefetch their own stream */
 #endif
+#define Q8_PF_GROUP 16384  /* bytes of a group of 8 Q8_0 rows up to which the group kernels prefetch the next */
 /* bytes of 256 values of each standard type: the stream fdot_T prefetches, 256 values at a time */
 #define dfk_sbb_q4_0 144
 #define dfk_sbb_q8_0 272
