@@ -259,8 +259,12 @@ DFK_FMUL(q6_K, 8)
  * arithmetic unchanged) */
 #define X8_ROWS 8
 
-/* the lane order of a group's results once the two halves' lane pairs are summed (_mm256_hadd_epi32 of
- * rows 0..3 and 4..7): rows 0, 1, 4, 5 | 2, 3, 6, 7 (a permutation its own inverse) */
+/* the int8 activations' 8 values at p broadcast to every 64-bit element (a broadcast load: copying a
+ * block into an int64 array first cost the Q8_0 group kernel 15-20 % at 8 rows) */
+static inline __m256i bcast8(const int8_t * p) { int64_t v; memcpy(&v, p, 8); return _mm256_set1_epi64x(v); }
+
+/* the lane order of a group's results once the two halves' lane pairs are summed (_mm256_hadd_epi32 or
+ * _ps of rows 0..3 and 4..7): rows 0, 1, 4, 5 | 2, 3, 6, 7 (a permutation its own inverse) */
 static inline __m256i x8_pair_order(void) { return _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0); }
 
 /* a group's 8 results per activation row, from the pair order into row order */
@@ -293,11 +297,9 @@ static inline void x8dot_q4_0(const uint8_t * g, int64_t nb, const struct dfk_ac
             }
         for (int r = 0; r < n; r++) {
             const size_t ro = (size_t) (r0 + r);
-            int64_t x[4];  /* (copied: the activations are int8) */
-            memcpy(x, a->xq + ro * kp + 32 * b, 32);
+            const int8_t * x = a->xq + ro * kp + 32 * b;
             const int64_t z = a->xzp[ro * (kp / 32) + b];
-            const __m256i x0 = _mm256_set1_epi64x(x[0]), x1 = _mm256_set1_epi64x(x[1]);
-            const __m256i x2 = _mm256_set1_epi64x(x[2]), x3 = _mm256_set1_epi64x(x[3]);
+            const __m256i x0 = bcast8(x), x1 = bcast8(x + 8), x2 = bcast8(x + 16), x3 = bcast8(x + 24);
             __m256i d[2];
             for (int h = 0; h < 2; h++) {
                 const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[h][0], x0), _mm256_maddubs_epi16(lo[h][1], x1)),
@@ -352,15 +354,14 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
         for (int c = 0; c < 4; c++) {
             const uint8_t * q = p + 128 + 256 * c;  /* pieces 4c .. 4c + 3, 64 bytes each */
             for (int r = 0; r < n; r++) {
-                int64_t x[8];  /* (copied: the activations are int8) */
-                memcpy(x, a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c, 64);
+                const int8_t * x = a->xq + (size_t) (r0 + r) * kp + 256 * sb + 64 * c;
                 for (int h = 0; h < 2; h++) {
                     __m256i slo = _mm256_setzero_si256(), shi = _mm256_setzero_si256();
                     for (int j = 0; j < 4; j++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *) (q + 64 * j + 32 * h));
-                        slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_set1_epi64x(x[j])));
+                        slo = _mm256_add_epi16(slo, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), bcast8(x + 8 * j)));
                         shi = _mm256_add_epi16(shi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                                                         _mm256_set1_epi64x(x[4 + j])));
+                                                                         bcast8(x + 32 + 8 * j)));
                     }
                     is[r][h] = _mm256_add_epi32(is[r][h], _mm256_add_epi32(_mm256_madd_epi16(slo, sc16[2 * c][h]),
                                                                            _mm256_madd_epi16(shi, sc16[2 * c + 1][h])));
@@ -379,8 +380,7 @@ static inline void x8dot_q4_K(const uint8_t * g, int64_t nsb, const struct dfk_a
         }
     }
     for (int r = 0; r < n; r++) {
-        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
-        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), x8_pair_order());
         _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), _mm256_add_ps(s, accm[r]));
     }
 }
@@ -413,14 +413,9 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
     for (int r = 0; r < n; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int64_t kp = a->kp;
     const __m256i ones = _mm256_set1_epi16(1);
-    /* the next group's bytes a block, prefetched one group ahead where a group is small (a SmolLM2 head's
-     * 4.9 KB); past Q8_PF_GROUP the hardware's prefetch alone did better (a 1536 x 8960 matrix read cold:
-     * 0.70 against 0.86 ms at one row, 2 threads) */
-    const size_t pf = 8 * w_row / (size_t) nb;
-    const bool pf_next = 8 * w_row <= Q8_PF_GROUP;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t * p = g + (size_t) b * 34;
-        if (pf_next && r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
+        if (r0 == 0) dfk_prefetch_next_group(g, w_row, nb, b);
         /* the 8 rows' scales (word inserts: a gather is microcoded and slow on AMD's AVX2 cores) */
         __m128i dh = _mm_cvtsi32_si128(ld16(p));
         dh = _mm_insert_epi16(dh, ld16(p + w_row), 1);
@@ -445,19 +440,17 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
             for (int j = 0; j < 4; j++) av[j] = _mm256_abs_epi8(v[j]);
             for (int r = 0; r < n; r++) {
                 const size_t ro = (size_t) (r0 + r);
-                int64_t x[4];  /* (copied: the activations are int8) */
-            memcpy(x, a->xq + ro * kp + 32 * b, 32);
+                const int8_t * x = a->xq + ro * kp + 32 * b;
                 __m256i d = _mm256_setzero_si256();
                 for (int j = 0; j < 4; j++)
-                    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(_mm256_set1_epi64x(x[j]), v[j])), ones));
+                    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(av[j], _mm256_sign_epi8(bcast8(x + 8 * j), v[j])), ones));
                 const __m256 dx = _mm256_set1_ps(a->dxl[ro * (kp / 4) + 8 * b]);
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(dw, dx), acc[r][h]);
             }
         }
     }
     for (int r = 0; r < n; r++) {
-        /* lane pairs: rows 0, 1, 4, 5 | 2, 3, 6, 7 */
-        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), x8_pair_order());
         _mm256_storeu_ps((float *) ((char *) y + (size_t) (r0 + r) * y_stride), s);
     }
 }

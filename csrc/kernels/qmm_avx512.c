@@ -298,14 +298,9 @@ static inline void x8dot_q8_0(const uint8_t * g, size_t w_row, int64_t nb, const
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i even = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), odd = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
     const __m256i offs = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int) w_row));
-    /* the next group's bytes a block, prefetched one group ahead where a group is small (a SmolLM2 head's
-     * 4.9 KB); past Q8_PF_GROUP the hardware's prefetch alone did better (a 1536 x 8960 matrix read cold:
-     * 0.70 against 0.86 ms at one row, 2 threads) */
-    const size_t pf = 8 * w_row / (size_t) nb;
-    const bool pf_next = 8 * w_row <= Q8_PF_GROUP;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t * p = g + (size_t) b * 34;
-        if (pf_next && r0 == 0) dfk_prefetch(g + 8 * w_row + (size_t) b * pf, pf);
+        if (r0 == 0) dfk_prefetch_next_group(g, w_row, nb, b);
         __m512i z[4];  /* rows 2i, 2i + 1: their 32 bytes each */
         for (int i = 0; i < 4; i++)
             z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (p + 2 * i * w_row + 2))),
